@@ -1,0 +1,15 @@
+"""dml-optim: flat, in-place, DirectML-native training optimizers.
+
+``Adam``, ``Adagrad`` and ``Momentum`` follow the ONNX ``ai.onnx.preview.training``
+operators; ``DmlAdam`` follows DirectML's ``ADAM_OPTIMIZER``.  Each packs a
+param group into one flat buffer per (device, dtype) and updates it in place
+with a handful of DirectML-native ops per step.
+"""
+
+__version__ = "0.1.0"
+
+from dml_optim import functional
+from dml_optim.dml.device import device
+from dml_optim.optimizers import Adagrad, Adam, DmlAdam, FlatOptimizer, Momentum
+
+__all__ = ["Adam", "Adagrad", "Momentum", "DmlAdam", "FlatOptimizer", "functional", "device", "__version__"]

@@ -1,0 +1,1 @@
+"""Subcommands of the ``dml-optim`` command line, one module each."""

@@ -1,0 +1,15 @@
+"""``dml-optim audit``: placeholder until its issue lands."""
+
+from __future__ import annotations
+
+HELP = "(not implemented yet)"
+
+
+def add_parser(sub):
+    p = sub.add_parser("audit", help=HELP, description=HELP)
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args) -> int:
+    raise NotImplementedError("dml-optim audit is not implemented yet")

@@ -1,0 +1,504 @@
+"""The stateful wrapper shared by every optimizer: flat buffers, one kernel per step.
+
+A subclass names its states, its step-counter offset and how to call its rule
+from :mod:`dml_optim.functional`; this class does the rest:
+
+* packs each param group into one :class:`~dml_optim.flat.FlatBuffer` per
+  (device, dtype) and keeps parameters and gradients as views of it;
+* validates everything a step needs *before* the first in-place write, so a
+  step that raises leaves parameters, states and step counters untouched;
+* runs the rule once per flat buffer (or once per run of parameters sharing
+  a step count, when some parameters had no gradient), with coefficients
+  computed on the host from Python numbers: no host sync;
+* precision: ``state_dtype``, ``compute_dtype`` and ``master_weights``; when
+  the operands' dtypes differ from the compute dtype the rule runs over
+  fixed-size chunks converted into preallocated scratch, so extra memory is
+  bounded whatever the model size;
+* non-finite gradients: ``nonfinite="propagate"`` (like torch.optim),
+  ``"skip"`` (detected and skipped on the device: no host sync) or
+  ``"raise"`` (one host sync); the skip path is the same gate the loss scaler
+  uses (:meth:`FlatOptimizer._step_gated`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from dml_optim.backends import rule_runner
+from dml_optim.flat import FlatBuffer, Run, describe_param, group_key
+from dml_optim.functional import check_hyperparameter
+
+__all__ = ["FlatOptimizer", "BACKENDS", "NONFINITE_MODES", "STATE_DICT_FORMAT_VERSION", "CHUNK_ELEMENTS"]
+
+BACKENDS = ("auto", "eager", "compiled")
+NONFINITE_MODES = ("propagate", "skip", "raise")
+#: Version of the layout ``state_dict()`` writes under ``state_dict()["dml_optim"]``.
+#: Version 0 is torch.optim's layout (no ``dml_optim`` key), which still loads.
+STATE_DICT_FORMAT_VERSION = 1
+#: Elements per chunk when the rule runs in a wider compute dtype than storage.
+CHUNK_ELEMENTS = 1 << 20
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dtype_arg(name: str, value) -> torch.dtype | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = getattr(torch, value, value)
+    if not isinstance(value, torch.dtype) or value not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{name} must be one of float16, bfloat16, float32, float64 or None, got {value!r}")
+    return value
+
+
+class FlatOptimizer(Optimizer):
+    """Base class: subclasses set the class attributes and :meth:`_rule`."""
+
+    #: Names of the per-parameter state tensors (torch.optim's names).
+    state_names: tuple[str, ...] = ()
+    #: T passed to the rule = completed steps + step_offset.
+    step_offset: int = 0
+    #: Coefficients that make a step an exact no-op when gated (skip on overflow).
+    skip_identity: dict[str, float] = {}
+    #: Extra ``dml_optim`` options stored in each param group.
+    _options = ("backend", "state_dtype", "compute_dtype", "master_weights", "nonfinite")
+
+    def __init__(
+        self,
+        params,
+        defaults: dict[str, Any],
+        *,
+        backend: str = "auto",
+        state_dtype=None,
+        compute_dtype=None,
+        master_weights: bool = False,
+        nonfinite: str = "propagate",
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {nonfinite!r}")
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
+        self._check_hyperparameters(defaults)
+        defaults = dict(
+            defaults,
+            backend=backend,
+            state_dtype=_dtype_arg("state_dtype", state_dtype),
+            compute_dtype=_dtype_arg("compute_dtype", compute_dtype),
+            master_weights=master_weights,
+            nonfinite=nonfinite,
+        )
+        self._flats: list[list[FlatBuffer]] = []
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of Tensors or dicts, got a Tensor")
+        super().__init__(params, defaults)
+
+    # -- subclass hooks ------------------------------------------------------
+
+    def _check_hyperparameters(self, group: dict[str, Any]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _coefficients(self, group: dict[str, Any], T) -> dict[str, Any]:  # pragma: no cover - abstract
+        """Per-step scalars of the rule at step ``T`` (number or 0-d tensor)."""
+        raise NotImplementedError
+
+    def _rule(self, x, g, states: Sequence[torch.Tensor], scalars: dict[str, Any], scratch) -> None:  # pragma: no cover
+        """Apply the rule in place (``functional.*_``)."""
+        raise NotImplementedError
+
+    def _scratch_count(self, group: dict[str, Any]) -> int:
+        return 1
+
+    # -- construction ---------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its parameters are packed into flat buffers at once."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        params = group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("params must be given as an ordered collection (a list), got a set")
+        else:
+            params = list(params) if params is not None else []
+        group["params"] = params
+        group_index = len(self.param_groups)
+        for i, p in enumerate(params):
+            self._check_param(p, i, group_index)
+        for name, value in self.defaults.items():
+            group.setdefault(name, value)
+        self._check_hyperparameters(group)
+        self._check_options(group)
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        for i, p in enumerate(params):
+            if id(p) in seen:
+                raise ValueError(f"params: {describe_param(p, i, group_index)} appears in more than one parameter group")
+            seen.add(id(p))
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError(f"params: param_groups[{group_index}] lists the same parameter twice")
+        devices = {str(p.device) for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"params: param_groups[{group_index}] mixes devices {sorted(devices)}; use one group per device")
+        super().add_param_group(group)
+        self._flats.append(self._pack(group))
+
+    def _check_param(self, p, index: int, group_index: int) -> None:
+        where = f"params: param_groups[{group_index}]['params'][{index}]"
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{where} must be a Tensor, got {type(p).__name__}")
+        if p.is_complex():
+            raise TypeError(
+                f"{where} is complex ({p.dtype}); dml_optim refuses complex parameters: "
+                "pass torch.view_as_real(p) parameters instead"
+            )
+        if p.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{where} must be floating point, got dtype {p.dtype}")
+        if not p.is_leaf:
+            raise ValueError(f"{where} is not a leaf tensor; optimize leaf tensors (nn.Parameter or detach().requires_grad_())")
+        if p.is_sparse:
+            raise TypeError(f"{where} is sparse; dml_optim supports dense parameters only")
+
+    def _check_options(self, group: dict[str, Any]) -> None:
+        if group["backend"] not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {group['backend']!r}")
+        if group["nonfinite"] not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {group['nonfinite']!r}")
+        for key in ("state_dtype", "compute_dtype"):
+            group[key] = _dtype_arg(key, group[key])
+        if group["master_weights"]:
+            for p in group["params"]:
+                if p.dtype not in (torch.float16, torch.bfloat16):
+                    raise ValueError(f"master_weights=True needs float16 or bfloat16 parameters, got {p.dtype}")
+
+    def _pack(self, group: dict[str, Any]) -> list[FlatBuffer]:
+        by_key: dict[tuple, list[int]] = {}
+        for i, p in enumerate(group["params"]):
+            by_key.setdefault(group_key(p), []).append(i)
+        flats = []
+        for indices in by_key.values():
+            flat = FlatBuffer([group["params"][i] for i in indices], indices)
+            flat.steps = [0] * len(flat)
+            flat.device_steps = None
+            flat.scratch = []
+            flat.master = None
+            flats.append(flat)
+        return flats
+
+    # -- precision ------------------------------------------------------------
+
+    def _state_dtype(self, group, flat: FlatBuffer) -> torch.dtype:
+        if group["master_weights"]:
+            return group["state_dtype"] or torch.float32
+        return group["state_dtype"] or flat.dtype
+
+    def _compute_dtype(self, group, flat: FlatBuffer) -> torch.dtype:
+        if group["compute_dtype"] is not None:
+            return group["compute_dtype"]
+        return self._state_dtype(group, flat) if group["master_weights"] else flat.dtype
+
+    def _ensure_state(self, group, flat: FlatBuffer) -> None:
+        """Allocate flat states, master copy and scratch (first step, or after a load)."""
+        if flat.states:
+            return
+        sdtype = self._state_dtype(group, flat)
+        for name in self.state_names:
+            flat.states[name] = torch.zeros(flat.numel, dtype=sdtype, device=flat.device)
+        if group["master_weights"]:
+            flat.master = flat.data.to(sdtype)
+        self._alloc_scratch(group, flat)
+
+    def _operand_dtypes(self, group, flat: FlatBuffer) -> list[torch.dtype]:
+        x = flat.master if flat.master is not None else flat.data
+        return [x.dtype, flat.grad.dtype] + [s.dtype for s in flat.states.values()]
+
+    def _chunked(self, group, flat: FlatBuffer) -> bool:
+        cdtype = self._compute_dtype(group, flat)
+        return any(d != cdtype for d in self._operand_dtypes(group, flat))
+
+    def _alloc_scratch(self, group, flat: FlatBuffer) -> None:
+        cdtype = self._compute_dtype(group, flat)
+        n = self._scratch_count(group)
+        if self._chunked(group, flat):
+            size = min(flat.numel, CHUNK_ELEMENTS)
+            n += 2 + len(self.state_names)  # converted x, g and states
+        else:
+            size = flat.numel
+        flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(n)]
+
+    # -- stepping -------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Perform one optimization step; ``closure`` re-evaluates the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plans = [self._plan(gi, group) for gi, group in enumerate(self.param_groups)]
+        work = []
+        for group, flats, plan in zip(self.param_groups, self._flats, plans):
+            for flat, (has_grad, foreign, moved) in zip(flats, plan):
+                if not any(has_grad):
+                    continue
+                if moved:
+                    flat.adopt_params(moved)
+                if foreign:
+                    flat.gather_grads(foreign)
+                self._ensure_state(group, flat)
+                work.append((group, flat, has_grad))
+        for group, flat, _ in work:  # before the first write, so a raise changes nothing
+            if group["nonfinite"] == "raise":
+                self._raise_if_nonfinite(flat)
+        for group, flat, has_grad in work:
+            if group["nonfinite"] == "skip":
+                self._step_gated(group, flat, has_grad, finite=self._finite(flat))
+            else:
+                self._step_flat(group, flat, has_grad)
+        return loss
+
+    def _plan(self, group_index: int, group: dict[str, Any]):
+        """Validate a group's step without writing anything."""
+        self._check_hyperparameters(group)
+        self._check_options(group)
+        plan = []
+        for flat in self._flats[group_index]:
+            has_grad, foreign = flat.grad_status()
+            for i in foreign:
+                self._check_grad(flat, i, group_index)
+            moved = flat.params_moved()
+            for i in moved:
+                p = flat.params[i]
+                if p.dtype != flat.dtype or p.device != flat.device or p.shape != flat.grad_views[i].shape:
+                    raise RuntimeError(
+                        f"{describe_param(p, flat.indices[i], group_index)} was re-bound to a tensor of another "
+                        f"dtype, device or shape after the optimizer was created (it was {flat.dtype} on {flat.device}); "
+                        "create the optimizer after moving the model"
+                    )
+            plan.append((has_grad, foreign, moved))
+        return plan
+
+    def _check_grad(self, flat: FlatBuffer, i: int, group_index: int) -> None:
+        p, grad = flat.params[i], flat.params[i].grad
+        name = f"grad of {describe_param(p, flat.indices[i], group_index)}"
+        if grad.is_sparse:
+            raise TypeError(f"{name} is sparse; dml_optim supports dense gradients only")
+        if grad.shape != p.shape:
+            raise ValueError(f"{name} has shape {tuple(grad.shape)}")
+        if grad.dtype != p.dtype:
+            raise TypeError(f"{name} has dtype {grad.dtype}")
+        if grad.device != p.device:
+            raise ValueError(f"{name} is on {grad.device}")
+
+    def _runs(self, flat: FlatBuffer, has_grad: list[bool], steps: list) -> list[tuple[Any, Run]]:
+        if all(has_grad) and all(s == steps[0] for s in steps):
+            return [((True, steps[0]), Run(0, len(flat), 0, flat.numel))]
+        return flat.runs(list(zip(has_grad, steps)))
+
+    def _step_flat(self, group, flat: FlatBuffer, has_grad: list[bool]) -> None:
+        """One step with host-side coefficients (no gate, no host sync)."""
+        if flat.device_steps is not None:
+            # after a gated step, the counters live on the device; keep using them
+            self._step_gated(group, flat, has_grad, finite=None)
+            return
+        for (active, T), run in self._runs(flat, has_grad, flat.steps):
+            if not active:
+                continue
+            scalars = self._scalars(group, T + self.step_offset)
+            self._apply(group, flat, run, scalars)
+            for i in range(run.first, run.stop):
+                flat.steps[i] += 1
+        self._sync_master(flat, has_grad)
+
+    def _scalars(self, group, T) -> dict[str, Any]:
+        return {**self._constants(group), **self._coefficients(group, T)}
+
+    def _constants(self, group) -> dict[str, Any]:
+        """Group constants passed to the rule (hyperparameters other than lr)."""
+        return {}
+
+    # -- gated (skip-on-overflow) steps: device-side counters, no host sync ----
+
+    def _finite(self, flat: FlatBuffer) -> torch.Tensor:
+        """0-d bool on the device: every gradient element is finite (no host sync).
+
+        ``amax(|g|) < inf`` is false for an inf and for a NaN (amax propagates
+        NaN); abs, amax and lt are DirectML-native.
+        """
+        scratch = flat.scratch[0]
+        finite = None
+        for a in range(0, flat.numel, len(scratch)):
+            b = min(a + len(scratch), flat.numel)
+            s = scratch[: b - a]
+            if s.dtype == flat.grad.dtype:
+                torch.abs(flat.grad[a:b], out=s)
+            else:
+                s.copy_(flat.grad[a:b]).abs_()
+            ok = torch.amax(s) < math.inf
+            finite = ok if finite is None else finite.logical_and_(ok)
+        return finite
+
+    def _step_gated(self, group, flat: FlatBuffer, has_grad: list[bool], *, finite: torch.Tensor | None, inv_scale=None) -> None:
+        """A step whose effect is gated by the device flag ``finite``.
+
+        When ``finite`` is false, the gradient is zeroed and every coefficient
+        in ``skip_identity`` takes its identity value, so parameters, states
+        and step counters stay bit-exactly as they were.  From the first gated
+        step on, step counters live on the device (one per parameter); the
+        host only tracks which parameters stepped together, so it can still
+        form runs of parameters that share a counter.
+        """
+        if flat.device_steps is None:
+            flat.device_steps = torch.tensor(flat.steps, dtype=torch.int64, device=flat.device)
+            flat.step_history = list(flat.steps)
+            flat.history_ids = {}
+            flat.gated_calls = 0
+        if inv_scale is not None:
+            flat.grad.mul_(inv_scale)
+        if finite is not None:
+            flat.grad.masked_fill_(finite.logical_not(), 0)
+        coef_dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        for (active, _), run in self._runs(flat, has_grad, flat.step_history):
+            if not active:
+                continue
+            T = flat.device_steps[run.first].to(coef_dtype) + self.step_offset
+            scalars = self._scalars(group, T)
+            if finite is not None:
+                scalars = self._gate(scalars, finite, coef_dtype)
+            self._apply(group, flat, run, scalars)
+            flat.device_steps[run.first : run.stop].add_(finite.long() if finite is not None else 1)
+        for i, active in enumerate(has_grad):
+            if active:
+                key = (flat.step_history[i], flat.gated_calls)
+                flat.step_history[i] = flat.history_ids.setdefault(key, ("h", len(flat.history_ids)))
+        flat.gated_calls += 1
+        self._sync_master(flat, has_grad)
+
+    def _gate(self, scalars: dict[str, Any], finite: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
+        """Replace each coefficient of ``skip_identity`` by ``where(finite, value, identity)``."""
+        gated = dict(scalars)
+        for name, identity in self.skip_identity.items():
+            if name in gated:
+                value = torch.as_tensor(gated[name], dtype=dtype, device=finite.device)
+                gated[name] = torch.where(finite, value, torch.tensor(identity, dtype=dtype, device=finite.device))
+        return gated
+
+    def _raise_if_nonfinite(self, flat: FlatBuffer) -> None:
+        """``nonfinite="raise"``: one host sync; names the offending parameters."""
+        if bool(self._finite(flat)):
+            return
+        gi = next(i for i, flats in enumerate(self._flats) if flat in flats)
+        bad = [describe_param(p, idx, gi) for p, idx, g in zip(flat.params, flat.indices, flat.grad_views)
+               if p.grad is not None and not bool(torch.isfinite(g).all())]
+        raise FloatingPointError(f"non-finite gradient (inf or nan) in {', '.join(bad)}; nothing was updated")
+
+    # -- applying the rule ----------------------------------------------------
+
+    def _apply(self, group, flat: FlatBuffer, run: Run, scalars: dict[str, Any]) -> None:
+        """Run the rule over ``run`` of the buffer, chunked when dtypes differ."""
+        rule = rule_runner(self, group, flat)
+        x = flat.master if flat.master is not None else flat.data
+        names = self.state_names
+        operands = [x, flat.grad] + [flat.states[n] for n in names]
+        if not self._chunked(group, flat):
+            sl = slice(run.start, run.end)
+            scratch = [s[sl] for s in flat.scratch]
+            rule(x[sl], flat.grad[sl], [flat.states[n][sl] for n in names], scalars, scratch)
+            return
+        n_rule = self._scratch_count(group)
+        chunk = len(flat.scratch[0])
+        conv = flat.scratch[n_rule:]
+        for a in range(run.start, run.end, chunk):
+            b = min(a + chunk, run.end)
+            k = b - a
+            local = [c[:k].copy_(t[a:b]) for c, t in zip(conv, operands)]
+            rule(local[0], local[1], local[2:], scalars, [s[:k] for s in flat.scratch[:n_rule]])
+            for t, c in zip(operands, local):
+                if t is not flat.grad:
+                    t[a:b].copy_(c)
+
+    def _sync_master(self, flat: FlatBuffer, has_grad: list[bool]) -> None:
+        if flat.master is not None:
+            flat.data.copy_(flat.master)
+
+    # -- zero_grad -------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero every gradient with one op per flat buffer.
+
+        Unlike torch.optim (whose default is ``set_to_none=True``), the default
+        keeps each ``p.grad`` a view of the flat gradient buffer, so autograd
+        accumulates in place and nothing is allocated per step.  With
+        ``set_to_none=True`` gradients become ``None`` (and a parameter that
+        gets no gradient before the next step is not updated, as in torch.optim);
+        the next step gathers the new gradients into the flat buffer.
+        """
+        for flats in self._flats:
+            for flat in flats:
+                flat.zero_grad(set_to_none)
+
+    # -- state dict ------------------------------------------------------------
+
+    def _param_state(self, group, flat: FlatBuffer, i: int) -> dict[str, Any]:
+        if not flat.states:
+            return {}
+        steps = flat.device_steps.tolist() if flat.device_steps is not None else flat.steps
+        if steps[i] == 0:
+            return {}
+        state: dict[str, Any] = {"step": torch.tensor(float(steps[i]))}
+        for name in self.state_names:
+            state[name] = flat.views(flat.states[name])[i]
+        if flat.master is not None:
+            state["master_param"] = flat.views(flat.master)[i]
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's layout (``state`` by parameter index, ``param_groups``),
+        plus ``dml_optim: {"format_version": 1, "optimizer": <class name>}``.
+
+        Contains only tensors and plain Python values, so
+        ``torch.load(..., weights_only=True)`` loads it.  State tensors are
+        views of the flat buffers (torch.save stores each buffer once).
+        """
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        index = 0
+        for group, flats in zip(self.param_groups, self._flats):
+            where = {}
+            for flat in flats:
+                for i, gi in enumerate(flat.indices):
+                    where[gi] = (flat, i)
+            ids = []
+            for gi in range(len(group["params"])):
+                flat, i = where[gi]
+                s = self._param_state(group, flat, i)
+                if s:
+                    state[index] = s
+                ids.append(index)
+                index += 1
+            packed = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for k, v in group.items() if k != "params"}
+            packed["params"] = ids
+            groups.append(packed)
+        return {
+            "state": state,
+            "param_groups": groups,
+            "dml_optim": {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(self).__name__},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of ours or of the torch.optim equivalent.
+
+        Everything is checked before anything is written.  State tensors are
+        cast to this optimizer's state dtype and device (a checkpoint saved on
+        CUDA in float32 loads into a DirectML float16 optimizer and back).
+        """
+        from dml_optim.optimizers._state import load_into
+
+        load_into(self, state_dict)

@@ -1,0 +1,179 @@
+"""Literal float64 NumPy transcriptions of the update rules in DESIGN.md §2.
+
+Each function takes the spec's inputs (``R``, ``T`` as numbers or 0-d arrays;
+tensors as lists of arrays, one entry per optimized tensor) and returns new
+float64 arrays; nothing passed in is modified.  The body of every function is
+the spec's text, one line per spec line, applied to each tensor in turn
+("with several tensors ... the same formula applies to each").  Deliberately
+not structured like ``dml_optim.functional``: no fused ops, no coefficient
+helpers, no in-place updates.
+
+Sources: ONNX operator docs for ``ai.onnx.preview.training`` ``Adagrad-1``,
+``Momentum-1``, ``Adam-1``; Microsoft Learn ``DML_ADAM_OPTIMIZER_OPERATOR_DESC``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["onnx_adagrad", "onnx_momentum", "onnx_adam", "dml_adam"]
+
+
+def _f64(a) -> np.ndarray:
+    return np.array(a, dtype=np.float64)  # a copy: the caller's arrays stay untouched
+
+
+def _t(T) -> int:
+    T = np.asarray(T)
+    if T.size != 1 or not np.issubdtype(T.dtype, np.integer):
+        raise TypeError(f"T must be an integer scalar, got {T!r}")
+    return int(T.reshape(()))
+
+
+def onnx_adagrad(
+    R,
+    T,
+    X: Sequence[np.ndarray],
+    G: Sequence[np.ndarray],
+    H: Sequence[np.ndarray],
+    *,
+    decay_factor: float = 0.0,
+    epsilon: float = 0.0,
+    norm_coefficient: float = 0.0,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """ONNX ``Adagrad-1``: returns ``(X_new list, H_new list)``."""
+    R = np.float64(R)
+    T = _t(T)
+    X_news, H_news = [], []
+    for X_i, G_i, H_i in zip(X, G, H, strict=True):
+        X_i, G_i, H_i = _f64(X_i), _f64(G_i), _f64(H_i)
+        # r = R / (1 + T * decay_factor)
+        r = R / (1 + T * np.float64(decay_factor))
+        # G_reg = norm_coefficient * X + G
+        G_reg = np.float64(norm_coefficient) * X_i + G_i
+        # H_new = H + G_reg * G_reg
+        H_new = H_i + G_reg * G_reg
+        # X_new = X - r * G_reg / (sqrt(H_new) + epsilon)
+        X_new = X_i - r * G_reg / (np.sqrt(H_new) + np.float64(epsilon))
+        X_news.append(X_new)
+        H_news.append(H_new)
+    return X_news, H_news
+
+
+def onnx_momentum(
+    R,
+    T,
+    X: Sequence[np.ndarray],
+    G: Sequence[np.ndarray],
+    V: Sequence[np.ndarray],
+    *,
+    alpha: float,
+    beta: float,
+    mode: str,
+    norm_coefficient: float,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """ONNX ``Momentum-1`` (``mode`` ``'standard'`` or ``'nesterov'``): returns ``(X_new list, V_new list)``."""
+    if mode not in ("standard", "nesterov"):
+        raise ValueError(f"mode must be 'standard' or 'nesterov', got {mode!r}")
+    R = np.float64(R)
+    T = _t(T)
+    alpha, beta = np.float64(alpha), np.float64(beta)
+    X_news, V_news = [], []
+    for X_i, G_i, V_i in zip(X, G, V, strict=True):
+        X_i, G_i, V_i = _f64(X_i), _f64(G_i), _f64(V_i)
+        # G_reg = norm_coefficient * X + G
+        G_reg = np.float64(norm_coefficient) * X_i + G_i
+        # beta_adj = beta if T > 0 else 1
+        beta_adj = beta if T > 0 else np.float64(1)
+        # V_new = alpha * V + beta_adj * G_reg
+        V_new = alpha * V_i + beta_adj * G_reg
+        if mode == "standard":
+            # standard: X_new = X - R * V_new
+            X_new = X_i - R * V_new
+        else:
+            # nesterov: X_new = X - R * (G_reg + alpha * V_new)
+            X_new = X_i - R * (G_reg + alpha * V_new)
+        X_news.append(X_new)
+        V_news.append(V_new)
+    return X_news, V_news
+
+
+def onnx_adam(
+    R,
+    T,
+    X: Sequence[np.ndarray],
+    G: Sequence[np.ndarray],
+    V: Sequence[np.ndarray],
+    H: Sequence[np.ndarray],
+    *,
+    alpha: float = 0.9,
+    beta: float = 0.999,
+    epsilon: float = 1e-6,
+    norm_coefficient: float = 0.0,
+    norm_coefficient_post: float = 0.0,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """ONNX ``Adam-1``: returns ``(X_final list, V_new list, H_new list)``."""
+    R = np.float64(R)
+    T = _t(T)
+    alpha, beta = np.float64(alpha), np.float64(beta)
+    X_finals, V_news, H_news = [], [], []
+    for X_i, G_i, V_i, H_i in zip(X, G, V, H, strict=True):
+        X_i, G_i, V_i, H_i = _f64(X_i), _f64(G_i), _f64(V_i), _f64(H_i)
+        # G_reg = norm_coefficient * X + G
+        G_reg = np.float64(norm_coefficient) * X_i + G_i
+        # V_new = alpha * V + (1 - alpha) * G_reg
+        V_new = alpha * V_i + (1 - alpha) * G_reg
+        # H_new = beta * H + (1 - beta) * G_reg * G_reg
+        H_new = beta * H_i + (1 - beta) * G_reg * G_reg
+        # H_sqrt = sqrt(H_new) + epsilon
+        H_sqrt = np.sqrt(H_new) + np.float64(epsilon)
+        # R_adj = R * sqrt(1 - beta**T) / (1 - alpha**T) if T > 0 else R
+        if T > 0:
+            with np.errstate(divide="ignore", invalid="ignore"):  # alpha == 1: x/0, as the spec says
+                R_adj = R * np.sqrt(1 - beta**T) / (1 - alpha**T)
+        else:
+            R_adj = R
+        # X_new = X - R_adj * V_new / H_sqrt
+        X_new = X_i - R_adj * V_new / H_sqrt
+        # X_final = (1 - norm_coefficient_post) * X_new
+        X_final = (1 - np.float64(norm_coefficient_post)) * X_new
+        X_finals.append(X_final)
+        V_news.append(V_new)
+        H_news.append(H_new)
+    return X_finals, V_news, H_news
+
+
+def dml_adam(
+    X: np.ndarray,
+    M: np.ndarray,
+    V: np.ndarray,
+    G: np.ndarray,
+    T,
+    *,
+    learning_rate: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """DirectML ``DML_OPERATOR_ADAM_OPTIMIZER`` on one tensor: returns ``(X, M, V)``.
+
+    The operator has exactly one parameter tensor, so this takes arrays, not
+    lists.  At ``T = 0`` ``Alpha`` is ``0/0``: the result is NaN, as the
+    formula says (no rule is invented for it).
+    """
+    X, M, V, G = _f64(X), _f64(M), _f64(V), _f64(G)
+    T = _t(T)
+    Beta1, Beta2 = np.float64(beta1), np.float64(beta2)
+    LearningRate, Epsilon = np.float64(learning_rate), np.float64(epsilon)
+    # M = Beta1 * M + (1 - Beta1) * G
+    M = Beta1 * M + (1 - Beta1) * G
+    # V = Beta2 * V + (1 - Beta2) * G * G
+    V = Beta2 * V + (1 - Beta2) * G * G
+    # Alpha = sqrt(1 - Beta2**T) / (1 - Beta1**T)
+    with np.errstate(divide="ignore", invalid="ignore"):  # T == 0: 0/0 = NaN, faithfully
+        Alpha = np.sqrt(1 - Beta2**T) / (1 - Beta1**T)
+    # X = X - LearningRate * Alpha * M / (sqrt(V) + Epsilon)
+    X = X - LearningRate * Alpha * M / (np.sqrt(V) + Epsilon)
+    return X, M, V
