@@ -235,13 +235,70 @@ class FlatOptimizer(Optimizer):
 
     # -- stepping -------------------------------------------------------------
 
+    #: torch.amp.GradScaler hands itself to ``step(grad_scaler=...)`` instead of
+    #: unscaling with its CPU-fallback helpers (see :mod:`dml_optim.amp`).
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None):
-        """Perform one optimization step; ``closure`` re-evaluates the loss."""
+    def step(self, closure: Callable[[], Any] | None = None, grad_scaler=None):
+        """Perform one optimization step; ``closure`` re-evaluates the loss.
+
+        ``grad_scaler`` is passed by ``torch.amp.GradScaler.step`` (this class
+        sets ``_step_supports_amp_scaling``): the unscale, the non-finite check
+        and the skip then run on the device (see :mod:`dml_optim.amp`).
+        """
+        if grad_scaler is not None:
+            from dml_optim.amp import step_with_grad_scaler
+
+            return step_with_grad_scaler(self, grad_scaler, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = self._prepare()
+        for group, flat, _ in work:  # before the first write, so a raise changes nothing
+            if group["nonfinite"] == "raise":
+                self._raise_if_nonfinite(flat)
+        for group, flat, has_grad in work:
+            if group["nonfinite"] == "skip":
+                self._step_gated(group, flat, has_grad, finite=self._finite(flat))
+            else:
+                self._step_flat(group, flat, has_grad)
+        return loss
+
+    @torch.no_grad()
+    def step_scaled(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None = None) -> torch.Tensor:
+        """A loss-scaled step with no host sync; returns ``found_inf`` (0-d float32).
+
+        Gradients are multiplied by ``inv_scale`` (a 0-d device tensor; pass
+        ones if they are already unscaled), checked for inf/NaN on the device,
+        and the update of *every* buffer is gated by that one flag: on
+        overflow, parameters, states and step counters stay exactly as they
+        were.  If ``found_inf`` is given (already known), it is used as is.
+        """
+        work = self._prepare()
+        for _, flat, _ in work:
+            flat.grad.mul_(inv_scale.to(flat.device))
+        if found_inf is None:
+            finite = None
+            for _, flat, _ in work:
+                ok = self._finite(flat)
+                finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
+            if finite is None:
+                device = inv_scale.device
+                return torch.zeros((), dtype=torch.float32, device=device)
+        else:
+            finite = found_inf == 0
+        for group, flat, has_grad in work:
+            self._step_gated(group, flat, has_grad, finite=finite.to(flat.device))
+        return finite.logical_not().float()
+
+    def _prepare(self) -> list[tuple[dict, FlatBuffer, list[bool]]]:
+        """Validate every group, then gather gradients and allocate states.
+
+        Raises before any parameter or state is written.  Returns the buffers
+        that have at least one gradient, with their per-parameter flags.
+        """
         plans = [self._plan(gi, group) for gi, group in enumerate(self.param_groups)]
         work = []
         for group, flats, plan in zip(self.param_groups, self._flats, plans):
@@ -254,15 +311,7 @@ class FlatOptimizer(Optimizer):
                     flat.gather_grads(foreign)
                 self._ensure_state(group, flat)
                 work.append((group, flat, has_grad))
-        for group, flat, _ in work:  # before the first write, so a raise changes nothing
-            if group["nonfinite"] == "raise":
-                self._raise_if_nonfinite(flat)
-        for group, flat, has_grad in work:
-            if group["nonfinite"] == "skip":
-                self._step_gated(group, flat, has_grad, finite=self._finite(flat))
-            else:
-                self._step_flat(group, flat, has_grad)
-        return loss
+        return work
 
     def _plan(self, group_index: int, group: dict[str, Any]):
         """Validate a group's step without writing anything."""
@@ -345,7 +394,7 @@ class FlatOptimizer(Optimizer):
             finite = ok if finite is None else finite.logical_and_(ok)
         return finite
 
-    def _step_gated(self, group, flat: FlatBuffer, has_grad: list[bool], *, finite: torch.Tensor | None, inv_scale=None) -> None:
+    def _step_gated(self, group, flat: FlatBuffer, has_grad: list[bool], *, finite: torch.Tensor | None) -> None:
         """A step whose effect is gated by the device flag ``finite``.
 
         When ``finite`` is false, the gradient is zeroed and every coefficient
@@ -360,8 +409,6 @@ class FlatOptimizer(Optimizer):
             flat.step_history = list(flat.steps)
             flat.history_ids = {}
             flat.gated_calls = 0
-        if inv_scale is not None:
-            flat.grad.mul_(inv_scale)
         if finite is not None:
             flat.grad.masked_fill_(finite.logical_not(), 0)
         coef_dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32

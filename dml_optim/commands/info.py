@@ -1,0 +1,50 @@
+"""``dml-optim info``: torch version, each device backend's status, the device we would use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "show torch and device-backend status and the device dml-optim would use"
+EXAMPLES = """examples:
+  dml-optim info
+  dml-optim info --json
+"""
+
+
+def add_parser(sub):
+    p = sub.add_parser("info", help=HELP, description=HELP, epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    p.set_defaults(run=run)
+    return p
+
+
+def gather() -> dict:
+    import platform
+
+    import torch
+
+    import dml_optim
+    from dml_optim.dml.device import backend_status, device
+
+    return {
+        "dml_optim": dml_optim.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "backends": [{"backend": b, "usable": ok, "reason": why} for b, ok, why in backend_status()],
+        "device": str(device()),
+    }
+
+
+def run(args) -> int:
+    info = gather()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"dml-optim {info['dml_optim']}  torch {info['torch']}  python {info['python']}  ({info['platform']})")
+    for b in info["backends"]:
+        print(f"  {b['backend']:<9} {'usable' if b['usable'] else 'unavailable':<12} {b['reason']}")
+    print(f"device: {info['device']}")
+    return 0
