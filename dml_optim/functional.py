@@ -190,10 +190,14 @@ def _div(a: Scalar, b: Scalar) -> Scalar:
     return a / b
 
 
-def _where(cond: Scalar, a: Scalar, b: Scalar) -> Scalar:
-    """``a if cond else b``; element-wise (on ``cond``'s device) when ``cond`` is a tensor."""
+def _where(cond: Scalar, a: Scalar, b: Scalar, like: Scalar = None) -> Scalar:
+    """``a if cond else b``; element-wise when ``cond`` is a tensor.
+
+    Number operands become tensors shaped and typed like ``like`` with
+    ``full_like`` (a device fill: no host-to-device copy, no sync).
+    """
     if isinstance(cond, torch.Tensor):
-        a, b = (torch.as_tensor(v, device=cond.device) for v in (a, b))
+        a, b = (v if isinstance(v, torch.Tensor) else torch.full_like(like, v) for v in (a, b))
         return torch.where(cond, a, b)
     return a if cond else b
 
@@ -211,12 +215,12 @@ def adagrad_coefficients(R: Scalar, T: Scalar, *, decay_factor: float) -> dict[s
 
 def momentum_coefficients(R: Scalar, T: Scalar, *, beta: float) -> dict[str, Scalar]:
     """``{"lr": R, "grad_scale": beta if T > 0 else 1}``."""
-    return {"lr": R, "grad_scale": _where(T > 0, beta, 1.0)}
+    return {"lr": R, "grad_scale": _where(T > 0, beta, 1.0, like=T)}
 
 
 def adam_coefficients(R: Scalar, T: Scalar, *, alpha: float, beta: float) -> dict[str, Scalar]:
     """ONNX: ``{"step_size": R * sqrt(1 - beta**T) / (1 - alpha**T) if T > 0 else R}``."""
-    return {"step_size": _where(T > 0, _div(R * _sqrt(1 - beta**T), 1 - alpha**T), R)}
+    return {"step_size": _where(T > 0, _div(R * _sqrt(1 - beta**T), 1 - alpha**T), R, like=T)}
 
 
 def dml_adam_coefficients(learning_rate: Scalar, T: Scalar, *, beta1: float, beta2: float) -> dict[str, Scalar]:

@@ -144,4 +144,4 @@ def load_into(opt, state_dict: dict[str, Any]) -> None:
             if flat.device_steps is not None:
                 flat.device_steps.copy_(torch.tensor(flat.steps, dtype=torch.int64))
                 flat.step_history = list(flat.steps)
-            opt._sync_master(flat, None)
+            opt._sync_master(flat)

@@ -47,11 +47,13 @@ class Adagrad(FlatOptimizer):
         compute_dtype=None,
         master_weights: bool = False,
         nonfinite: str = "propagate",
+        atomic: bool = False,
     ):
         defaults = dict(lr=lr, decay_factor=decay_factor, epsilon=epsilon, norm_coefficient=norm_coefficient)
         super().__init__(
             params, defaults, backend=backend, state_dtype=state_dtype,
             compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
+            atomic=atomic,
         )
 
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:

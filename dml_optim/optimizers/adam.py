@@ -45,6 +45,7 @@ class Adam(FlatOptimizer):
         backend: ``"auto"``, ``"eager"`` or ``"compiled"``.
         state_dtype, compute_dtype, master_weights: precision options, see README.
         nonfinite: ``"propagate"``, ``"skip"`` or ``"raise"``.
+        atomic: roll a step back if it fails mid-update (one extra copy per step).
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
@@ -66,6 +67,7 @@ class Adam(FlatOptimizer):
         compute_dtype=None,
         master_weights: bool = False,
         nonfinite: str = "propagate",
+        atomic: bool = False,
     ):
         defaults = dict(
             lr=lr, alpha=alpha, beta=beta, epsilon=epsilon,
@@ -74,6 +76,7 @@ class Adam(FlatOptimizer):
         super().__init__(
             params, defaults, backend=backend, state_dtype=state_dtype,
             compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
+            atomic=atomic,
         )
 
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from :mod:`dml_optim.functional`; this class does the rest:
 from __future__ import annotations
 
 import math
-import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -44,6 +44,32 @@ STATE_DICT_FORMAT_VERSION = 1
 CHUNK_ELEMENTS = 1 << 20
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class _Update:
+    """One planned rule application: a run of one buffer and its coefficients."""
+
+    group: dict
+    flat: FlatBuffer
+    run: Run
+    scalars: dict
+    finite: torch.Tensor | None
+    has_grad: list
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _device_constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 0-d tensor holding ``value`` (read-only by convention)."""
+    key = (float(value), dtype, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) > 4096:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.full((), float(value), dtype=dtype, device=device)
+    return t
 
 
 def _dtype_arg(name: str, value) -> torch.dtype | None:
@@ -78,6 +104,7 @@ class FlatOptimizer(Optimizer):
         compute_dtype=None,
         master_weights: bool = False,
         nonfinite: str = "propagate",
+        atomic: bool = False,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -85,6 +112,11 @@ class FlatOptimizer(Optimizer):
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {nonfinite!r}")
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool, got {master_weights!r}")
+        if not isinstance(atomic, bool):
+            raise TypeError(f"atomic must be a bool, got {atomic!r}")
+        #: Roll a step back if a kernel fails mid-update (costs one copy of
+        #: parameters and states per step).
+        self.atomic = atomic
         self._check_hyperparameters(defaults)
         defaults = dict(
             defaults,
@@ -256,14 +288,20 @@ class FlatOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = self._prepare()
-        for group, flat, _ in work:  # before the first write, so a raise changes nothing
+        for group, flat, _ in work:
             if group["nonfinite"] == "raise":
                 self._raise_if_nonfinite(flat)
-        for group, flat, has_grad in work:
+        finite = None  # one flag for every "skip" buffer: a step is skipped as a whole
+        for group, flat, _ in work:
             if group["nonfinite"] == "skip":
-                self._step_gated(group, flat, has_grad, finite=self._finite(flat))
-            else:
-                self._step_flat(group, flat, has_grad)
+                ok = self._finite(flat)
+                finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
+        updates = [
+            u
+            for group, flat, has_grad in work
+            for u in self._plan_updates(group, flat, has_grad, finite.to(flat.device) if group["nonfinite"] == "skip" else None)
+        ]
+        self._commit(work, updates)
         return loss
 
     @torch.no_grad()
@@ -277,6 +315,8 @@ class FlatOptimizer(Optimizer):
         were.  If ``found_inf`` is given (already known), it is used as is.
         """
         work = self._prepare()
+        if not work:
+            return torch.zeros((), dtype=torch.float32, device=inv_scale.device)
         for _, flat, _ in work:
             flat.grad.mul_(inv_scale.to(flat.device))
         if found_inf is None:
@@ -284,13 +324,10 @@ class FlatOptimizer(Optimizer):
             for _, flat, _ in work:
                 ok = self._finite(flat)
                 finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
-            if finite is None:
-                device = inv_scale.device
-                return torch.zeros((), dtype=torch.float32, device=device)
         else:
             finite = found_inf == 0
-        for group, flat, has_grad in work:
-            self._step_gated(group, flat, has_grad, finite=finite.to(flat.device))
+        updates = [u for group, flat, has_grad in work for u in self._plan_updates(group, flat, has_grad, finite.to(flat.device))]
+        self._commit(work, updates)
         return finite.logical_not().float()
 
     def _prepare(self) -> list[tuple[dict, FlatBuffer, list[bool]]]:
@@ -351,21 +388,6 @@ class FlatOptimizer(Optimizer):
             return [((True, steps[0]), Run(0, len(flat), 0, flat.numel))]
         return flat.runs(list(zip(has_grad, steps)))
 
-    def _step_flat(self, group, flat: FlatBuffer, has_grad: list[bool]) -> None:
-        """One step with host-side coefficients (no gate, no host sync)."""
-        if flat.device_steps is not None:
-            # after a gated step, the counters live on the device; keep using them
-            self._step_gated(group, flat, has_grad, finite=None)
-            return
-        for (active, T), run in self._runs(flat, has_grad, flat.steps):
-            if not active:
-                continue
-            scalars = self._scalars(group, T + self.step_offset)
-            self._apply(group, flat, run, scalars)
-            for i in range(run.first, run.stop):
-                flat.steps[i] += 1
-        self._sync_master(flat, has_grad)
-
     def _scalars(self, group, T) -> dict[str, Any]:
         return {**self._constants(group), **self._coefficients(group, T)}
 
@@ -394,24 +416,34 @@ class FlatOptimizer(Optimizer):
             finite = ok if finite is None else finite.logical_and_(ok)
         return finite
 
-    def _step_gated(self, group, flat: FlatBuffer, has_grad: list[bool], *, finite: torch.Tensor | None) -> None:
-        """A step whose effect is gated by the device flag ``finite``.
+    # -- plan, then commit: nothing is written before every update is planned --
 
-        When ``finite`` is false, the gradient is zeroed and every coefficient
+    def _plan_updates(self, group, flat: FlatBuffer, has_grad: list[bool], finite: torch.Tensor | None) -> list[_Update]:
+        """The updates of one buffer with their coefficients; writes nothing.
+
+        Without a gate, coefficients are Python numbers computed from the host
+        step counters (no device op, no host sync).  With a gate (``finite``,
+        a 0-d bool on the device), or once a buffer has had one, the counters
+        live on the device and the coefficients are 0-d tensors: when
+        ``finite`` is false the gradient is zeroed and every coefficient named
         in ``skip_identity`` takes its identity value, so parameters, states
-        and step counters stay bit-exactly as they were.  From the first gated
-        step on, step counters live on the device (one per parameter); the
-        host only tracks which parameters stepped together, so it can still
-        form runs of parameters that share a counter.
+        and counters stay bit-exactly as they were.  The host then only tracks
+        which parameters stepped together, so it can still form runs of
+        parameters that share a counter.
         """
-        if flat.device_steps is None:
+        if finite is None and flat.device_steps is None:
+            return [
+                _Update(group, flat, run, self._scalars(group, T + self.step_offset), None, has_grad)
+                for (active, T), run in self._runs(flat, has_grad, flat.steps)
+                if active
+            ]
+        if flat.device_steps is None:  # the same counts, moved to the device
             flat.device_steps = torch.tensor(flat.steps, dtype=torch.int64, device=flat.device)
             flat.step_history = list(flat.steps)
             flat.history_ids = {}
             flat.gated_calls = 0
-        if finite is not None:
-            flat.grad.masked_fill_(finite.logical_not(), 0)
         coef_dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        updates = []
         for (active, _), run in self._runs(flat, has_grad, flat.step_history):
             if not active:
                 continue
@@ -419,22 +451,79 @@ class FlatOptimizer(Optimizer):
             scalars = self._scalars(group, T)
             if finite is not None:
                 scalars = self._gate(scalars, finite, coef_dtype)
-            self._apply(group, flat, run, scalars)
-            flat.device_steps[run.first : run.stop].add_(finite.long() if finite is not None else 1)
-        for i, active in enumerate(has_grad):
-            if active:
-                key = (flat.step_history[i], flat.gated_calls)
-                flat.step_history[i] = flat.history_ids.setdefault(key, ("h", len(flat.history_ids)))
-        flat.gated_calls += 1
-        self._sync_master(flat, has_grad)
+            updates.append(_Update(group, flat, run, scalars, finite, has_grad))
+        return updates
+
+    def _commit(self, work, updates: list[_Update]) -> None:
+        """Run the planned updates; then advance the host-side bookkeeping.
+
+        Only kernels run here.  If one raises (a device fault, an interrupt,
+        an injected failure), an optimizer built with ``atomic=True`` restores
+        parameters, states and counters from a snapshot taken before the first
+        write; otherwise the exception gets a note naming what may have been
+        partially updated.
+        """
+        snapshot = self._snapshot(work) if self.atomic else None
+        done: list[_Update] = []
+        try:
+            zeroed = set()
+            for u in updates:
+                if u.finite is not None and id(u.flat) not in zeroed:
+                    u.flat.grad.masked_fill_(u.finite.logical_not(), 0)
+                    zeroed.add(id(u.flat))
+                self._apply(u.group, u.flat, u.run, u.scalars)
+                if u.flat.device_steps is not None:
+                    u.flat.device_steps[u.run.first : u.run.stop].add_(u.finite.long() if u.finite is not None else 1)
+                done.append(u)
+            for _, flat, _ in work:
+                self._sync_master(flat)
+        except BaseException as exc:
+            if snapshot is not None:
+                for dst, src in snapshot:
+                    dst.copy_(src)
+            elif done and hasattr(exc, "add_note"):
+                exc.add_note(
+                    f"dml_optim: {type(self).__name__}.step() failed after updating {len(done)} of {len(updates)} "
+                    "parameter runs; parameters and states may be partially updated. Restore a checkpoint, "
+                    "or construct the optimizer with atomic=True to roll failed steps back."
+                )
+            raise
+        for u in updates:  # host bookkeeping, after every kernel succeeded
+            if u.flat.device_steps is None:
+                for i in range(u.run.first, u.run.stop):
+                    u.flat.steps[i] += 1
+        for _, flat, has_grad in work:
+            if flat.device_steps is not None:
+                for i, active in enumerate(has_grad):
+                    if active:
+                        key = (flat.step_history[i], flat.gated_calls)
+                        flat.step_history[i] = flat.history_ids.setdefault(key, ("h", len(flat.history_ids)))
+                flat.gated_calls += 1
+
+    def _snapshot(self, work) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of everything a commit writes (``atomic=True`` only)."""
+        tensors = []
+        for _, flat, _ in work:
+            tensors += [flat.data, flat.grad, *flat.states.values()]
+            if flat.master is not None:
+                tensors.append(flat.master)
+            if flat.device_steps is not None:
+                tensors.append(flat.device_steps)
+        return [(t, t.clone()) for t in tensors]
 
     def _gate(self, scalars: dict[str, Any], finite: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
-        """Replace each coefficient of ``skip_identity`` by ``where(finite, value, identity)``."""
+        """Replace each coefficient of ``skip_identity`` by ``where(finite, value, identity)``.
+
+        Number operands become cached 0-d device tensors (made once with a
+        device fill), so a gated step copies nothing from the host.
+        """
         gated = dict(scalars)
         for name, identity in self.skip_identity.items():
             if name in gated:
-                value = torch.as_tensor(gated[name], dtype=dtype, device=finite.device)
-                gated[name] = torch.where(finite, value, torch.tensor(identity, dtype=dtype, device=finite.device))
+                value = gated[name]
+                if not isinstance(value, torch.Tensor):
+                    value = _device_constant(value, dtype, finite.device)
+                gated[name] = torch.where(finite, value, _device_constant(identity, dtype, finite.device))
         return gated
 
     def _raise_if_nonfinite(self, flat: FlatBuffer) -> None:
@@ -471,7 +560,7 @@ class FlatOptimizer(Optimizer):
                 if t is not flat.grad:
                     t[a:b].copy_(c)
 
-    def _sync_master(self, flat: FlatBuffer, has_grad: list[bool]) -> None:
+    def _sync_master(self, flat: FlatBuffer) -> None:
         if flat.master is not None:
             flat.data.copy_(flat.master)
 

@@ -61,11 +61,13 @@ class DmlAdam(FlatOptimizer):
         compute_dtype=None,
         master_weights: bool = False,
         nonfinite: str = "propagate",
+        atomic: bool = False,
     ):
         defaults = dict(lr=lr, beta1=beta1, beta2=beta2, epsilon=epsilon)
         super().__init__(
             params, defaults, backend=backend, state_dtype=state_dtype,
             compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
+            atomic=atomic,
         )
 
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:

@@ -46,11 +46,13 @@ class Momentum(FlatOptimizer):
         compute_dtype=None,
         master_weights: bool = False,
         nonfinite: str = "propagate",
+        atomic: bool = False,
     ):
         defaults = dict(lr=lr, alpha=alpha, beta=beta, mode=mode, norm_coefficient=norm_coefficient)
         super().__init__(
             params, defaults, backend=backend, state_dtype=state_dtype,
             compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
+            atomic=atomic,
         )
 
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:
