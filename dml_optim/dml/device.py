@@ -3,19 +3,62 @@
 On plain Linux the torch-directml wheel (built for WSL) fails in stages:
 ``import torch_directml`` raises ``OSError: libd3d12.so: cannot open shared
 object file``; with the package folder on ``LD_LIBRARY_PATH`` it imports, and
-``device_count()`` raises ``RuntimeError: Unknown error ...``.  Every one of
-these (and a missing package, a device count of 0, a failing ``device()``) is
-reported as "DirectML unavailable: <reason>", never raised.
+``device_count()`` raises ``RuntimeError: Unknown error <garbage>`` -- or, as
+measured here with torch-directml 0.2.5.dev240914 on torch 2.4.1, crashes the
+interpreter with a segmentation fault in about two runs out of three.
+
+A crash cannot be caught, so unless the plugin is already imported, the first
+check runs in a child interpreter (once per process, cached): import, count,
+name.  Only when that child succeeds is the plugin imported here.  Every
+failure -- not installed, import error, exception, crash, timeout, no device --
+is reported as ``(False, reason)``; nothing here raises.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from functools import lru_cache
 from typing import Any
 
 import torch
 
-__all__ = ["available", "device", "backend_status"]
+__all__ = ["available", "device", "backend_status", "PROBE_IN_SUBPROCESS", "PROBE_TIMEOUT_S"]
+
+#: Probe torch-directml in a child interpreter before importing it here.
+PROBE_IN_SUBPROCESS = True
+#: Seconds the child probe may take (it imports torch).
+PROBE_TIMEOUT_S = 120
+
+_PROBE = r"""
+import json, sys
+def out(**kw):
+    print(json.dumps(kw)); sys.stdout.flush(); sys.exit(0)
+def first(exc):
+    lines = str(exc).strip().splitlines()
+    return (type(exc).__name__ + ": " + (lines[0] if lines else "")).rstrip(": ")
+try:
+    import torch_directml
+except Exception as exc:
+    out(ok=False, reason="import torch_directml failed: " + first(exc))
+try:
+    count = int(torch_directml.device_count())
+except Exception as exc:
+    out(ok=False, reason="torch_directml.device_count() failed: " + first(exc))
+if count < 1:
+    out(ok=False, reason="torch_directml found no DirectML device")
+try:
+    dev = torch_directml.device()
+    name = torch_directml.device_name(0)
+except Exception as exc:
+    out(ok=False, reason="torch_directml.device() failed: " + first(exc))
+out(ok=True, reason="%d DirectML device(s); default %s (%s)" % (count, dev, name))
+"""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -23,8 +66,41 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def _signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+@lru_cache(maxsize=1)
+def _probe_subprocess() -> tuple[bool, str]:
+    """Run the DirectML probe in a child interpreter; never raises."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE], capture_output=True, text=True,
+            timeout=PROBE_TIMEOUT_S, env=os.environ.copy(),
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"the torch_directml probe did not finish within {PROBE_TIMEOUT_S} s"
+    except Exception as exc:
+        return False, f"could not run the torch_directml probe: {_first_line(exc)}"
+    if done.returncode < 0:
+        return False, (
+            f"torch_directml crashed the probe process ({_signal_name(done.returncode)}); "
+            "its native library cannot initialise DirectML here"
+        )
+    lines = done.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1])
+        return bool(result["ok"]), str(result["reason"])
+    except Exception:
+        detail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, f"the torch_directml probe failed (exit {done.returncode}): {detail}"
+
+
 def _load() -> tuple[Any, str]:
-    """``(torch_directml module or None, reason)``."""
+    """``(torch_directml module or None, reason)``, imported in this process."""
     try:
         module = importlib.import_module("torch_directml")
     except ImportError as exc:
@@ -36,14 +112,7 @@ def _load() -> tuple[Any, str]:
     return module, ""
 
 
-def available() -> tuple[bool, str]:
-    """``(True, description)`` when a DirectML device is usable, else ``(False, reason)``.
-
-    Never raises.
-    """
-    module, reason = _load()
-    if module is None:
-        return False, reason
+def _check_in_process(module) -> tuple[bool, str]:
     try:
         count = int(module.device_count())
     except Exception as exc:
@@ -58,16 +127,42 @@ def available() -> tuple[bool, str]:
     return True, f"{count} DirectML device(s); default {dev} ({name})"
 
 
+def available() -> tuple[bool, str]:
+    """``(True, description)`` when a DirectML device is usable, else ``(False, reason)``.
+
+    Never raises, never crashes the interpreter (see the module docstring).
+    """
+    module = sys.modules.get("torch_directml")
+    if module is None:
+        try:
+            installed = importlib.util.find_spec("torch_directml") is not None
+        except Exception as exc:  # a broken finder or package metadata
+            return False, f"looking for torch_directml failed: {_first_line(exc)}"
+        if not installed:
+            return False, "torch-directml is not installed (pip install dml-optim[directml])"
+        if PROBE_IN_SUBPROCESS:
+            ok, reason = _probe_subprocess()
+            if not ok:
+                return False, reason
+        module, reason = _load()
+        if module is None:
+            return False, reason
+    return _check_in_process(module)
+
+
 def device() -> torch.device:
     """The best usable device: DirectML, else CUDA, else CPU.  Never raises."""
     ok, _ = available()
     if ok:
         try:
-            return torch.device(_load()[0].device())
+            return torch.device(sys.modules["torch_directml"].device())
         except Exception:
             pass
-    if torch.cuda.is_available():
-        return torch.device("cuda")
+    try:
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+    except Exception:
+        pass
     return torch.device("cpu")
 
 
@@ -76,9 +171,12 @@ def backend_status() -> list[tuple[str, bool, str]]:
     out = [("directml", *available())]
     try:
         cuda = torch.cuda.is_available()
-        reason = f"{torch.cuda.device_count()} device(s): {torch.cuda.get_device_name(0)}" if cuda else "torch.cuda.is_available() is False"
-        if not cuda and torch.version.cuda is None:
+        if cuda:
+            reason = f"{torch.cuda.device_count()} device(s): {torch.cuda.get_device_name(0)}"
+        elif torch.version.cuda is None:
             reason = "this torch build has no CUDA support"
+        else:
+            reason = "torch.cuda.is_available() is False (no driver or no GPU)"
     except Exception as exc:
         cuda, reason = False, _first_line(exc)
     out.append(("cuda", cuda, reason))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -131,15 +132,19 @@ class DmlAdam(FlatOptimizer):
         for gi, (group, flats) in enumerate(zip(self.param_groups, self._flats)):
             for fi, flat in enumerate(flats):
                 dtype = {torch.float32: "FLOAT32", torch.float16: "FLOAT16"}[flat.dtype]
-                T = max(flat.steps) + self.step_offset if flat.device_steps is None else int(flat.device_steps.max()) + self.step_offset
-                for ci, n in enumerate(split_for_dml(flat.numel)):
+                steps = flat.device_steps.tolist() if flat.device_steps is not None else flat.steps
+                prefix = f"param_groups[{gi}].buffer{fi}"
+                names = {role: f"{prefix}.{role}" for role in ("parameters", "first_moment", "second_moment", "gradient", "training_step")}
+                offset = 0
+                for n in split_for_dml(flat.numel):
                     desc = adam_descriptor(
                         n, dtype, learning_rate=float(group["lr"]), beta1=group["beta1"], beta2=group["beta2"],
-                        epsilon=group["epsilon"], training_step=T,
-                        buffer_names={"prefix": f"group{gi}.buffer{fi}.chunk{ci}"},
+                        epsilon=group["epsilon"], training_step=max(steps) + self.step_offset,
+                        buffer_names=names, element_offset=offset,
                     )
+                    offset += n
                     report = validate(desc)
                     if not report.valid:
-                        raise ValueError(f"DmlAdam built an invalid descriptor for param_groups[{gi}] buffer {fi}: {report.errors[0].message}")
-                    out.append(__import__("json").loads(dumps(desc)))
+                        raise ValueError(f"DmlAdam built an invalid descriptor for {prefix}: {report.errors[0].message}")
+                    out.append(json.loads(dumps(desc)))
         return out
