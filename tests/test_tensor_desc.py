@@ -447,7 +447,7 @@ def test_adam_descriptor_options():
 
 @settings(max_examples=100, deadline=None)
 @given(
-    st.lists(st.integers(1, 64), max_size=6),
+    st.lists(st.integers(1, 64), max_size=5),  # at most 64^5 = 2^30 elements
     st.sampled_from(["FLOAT32", "FLOAT16"]),
     st.integers(1, 8),
     st.integers(0, 2**20),
@@ -487,3 +487,16 @@ def test_split_for_dml_properties(numel_and_max):
 def test_split_for_dml_rejects_negative():
     with pytest.raises(ValueError, match="numel must be a non-negative int, got -1"):
         split_for_dml(-1)
+
+
+def test_numpy_and_torch_integers_are_accepted():
+    import numpy as np
+
+    assert dml_sizes(torch.Size([2, 3])) == [1, 1, 2, 3]
+    assert dml_sizes(np.int64(5)) == [1, 1, 1, 5]
+    desc = adam_descriptor(np.int64(8), torch.float32, learning_rate=np.float32(0.5), beta1=0.9, beta2=0.999,
+                           epsilon=1e-8, training_step=np.int64(3))
+    assert desc.training_step_value == 3 and type(desc.training_step_value) is int
+    assert desc.learning_rate == 0.5 and type(desc.learning_rate) is float
+    with pytest.raises(MalformedDescriptor, match="Sizes\\[0\\] must be an integer"):
+        TensorDesc("FLOAT32", [np.True_])

@@ -81,7 +81,7 @@ def add_parser(sub):
     p.add_argument("--model", metavar="PATH", help="a model inventory (shapes/models/NAME.json) instead of FILEs")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="with --model: the parameter dtype (default float32)")
     p.add_argument(
-        "--epsilon", type=float, default=1e-8, help="with --model: the Epsilon attribute (default 1e-8)"
+        "--epsilon", type=float, help="with --model: the Epsilon attribute (default 1e-8)"
     )
     p.add_argument(
         "--feature-level",
@@ -98,9 +98,10 @@ def run(args) -> int:
     if args.model is not None:
         if args.files:
             raise UsageError("give either FILEs or --model, not both")
-        return _run_model(args.model, _DTYPES[args.dtype or "float32"], args.epsilon, level or "3_0", args.json)
-    if args.dtype is not None:
-        raise UsageError("--dtype applies only with --model")
+        epsilon = 1e-8 if args.epsilon is None else args.epsilon
+        return _run_model(args.model, _DTYPES[args.dtype or "float32"], epsilon, level or "3_0", args.json)
+    if args.dtype is not None or args.epsilon is not None:
+        raise UsageError("--dtype and --epsilon apply only with --model")
     if not args.files:
         raise UsageError("give at least one descriptor FILE, or --model PATH")
     return _run_files(args.files, level, args.json)

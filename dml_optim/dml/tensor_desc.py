@@ -36,8 +36,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
+import operator
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any, Mapping, Sequence
 
 __all__ = [
@@ -169,26 +171,50 @@ class MalformedDescriptor(ValueError):
 
 
 def _short(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value) if _jsonable(value) else repr(value)
-    text = " ".join(text.split())
+    """A one-line, bounded preview of a (possibly huge or deeply nested) value for messages."""
+    text = " ".join(_preview(value, 3).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _jsonable(value: Any) -> bool:
+def _preview(value: Any, depth: int) -> str:
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value) if value.bit_length() <= 256 else f"<a {value.bit_length()}-bit integer>"
+    if isinstance(value, str):
+        return json.dumps(value[:80])
+    if isinstance(value, (list, tuple)):
+        if depth == 0:
+            return "[...]" if value else "[]"
+        items = [_preview(v, depth - 1) for v in value[:5]]
+        return "[" + ", ".join(items + (["..."] if len(value) > 5 else [])) + "]"
+    if isinstance(value, Mapping):
+        if depth == 0:
+            return "{...}" if value else "{}"
+        keys = list(value)[:5]
+        items = [f"{_preview(k, 0)}: {_preview(value[k], depth - 1)}" for k in keys]
+        return "{" + ", ".join(items + (["..."] if len(value) > 5 else [])) + "}"
+    return f"<{type(value).__name__}>"
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer (numpy/torch integers too), else None; bools are not."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
+        return None
     try:
-        json.dumps(value)
-    except (TypeError, ValueError, RecursionError):
-        return False
-    return True
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _uint(value: Any, where: str, maximum: int, ctype: str) -> int:
     """``value`` as an int in [0, maximum], else MalformedDescriptor naming ``where``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    number = _as_int(value)
+    if number is None:
         raise MalformedDescriptor(f"{where} must be an integer ({ctype}), got {_short(value)}")
-    if value < 0 or value > maximum:
-        raise MalformedDescriptor(f"{where} = {value} does not fit in {ctype} (0..{maximum})")
-    return int(value)
+    if number < 0 or number > maximum:
+        raise MalformedDescriptor(f"{where} = {_short(number)} does not fit in {ctype} (0..{maximum})")
+    return number
 
 
 def _uint_list(value: Any, where: str) -> tuple[int, ...]:
@@ -198,7 +224,7 @@ def _uint_list(value: Any, where: str) -> tuple[int, ...]:
 
 
 def _real(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy floats are Real, numpy bools not
         raise MalformedDescriptor(f"{where} must be a number (FLOAT), got {_short(value)}")
     try:
         return float(value)
@@ -505,8 +531,11 @@ class AdamOptimizerDesc:
             object.__setattr__(self, attr, _real(getattr(self, attr), json_name))
         object.__setattr__(self, "feature_level", canonical_feature_level(self.feature_level))
         value = self.training_step_value
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise MalformedDescriptor(f"TrainingStepValue must be an integer, got {_short(value)}")
+        if value is not None:
+            number = _as_int(value)
+            if number is None:
+                raise MalformedDescriptor(f"TrainingStepValue must be an integer, got {_short(value)}")
+            object.__setattr__(self, "training_step_value", number)
         if self.bindings is not None:
             object.__setattr__(self, "bindings", self._checked_bindings(self.bindings))
 
@@ -660,11 +689,12 @@ def _check_dimension_count(dimension_count: int) -> None:
 
 
 def _shape_tuple(shape: int | Sequence[int]) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    for i, d in enumerate(dims):
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+    dims = (shape,) if _as_int(shape) is not None else tuple(shape)
+    ints = tuple(_as_int(d) for d in dims)
+    for i, (d, n) in enumerate(zip(dims, ints)):
+        if n is None or n < 0:
             raise ValueError(f"shape[{i}] must be a non-negative int, got {d!r}")
-    return tuple(int(d) for d in dims)
+    return ints
 
 
 def dml_sizes(shape: int | Sequence[int], dimension_count: int = 4) -> list[int]:

@@ -136,6 +136,17 @@ class Report:
         return json.dumps(self.to_dict(), indent=indent)
 
 
+def _n(value: int) -> str:
+    """An int for a message; astronomically large ones (beyond str()'s digit limit) by bit length."""
+    return str(value) if value.bit_length() <= 256 else f"a {value.bit_length()}-bit number"
+
+
+def _seq(values) -> str:
+    """A list for a message, shortened after 8 entries."""
+    items = [str(v) for v in values[:8]] + (["..."] if len(values) > 8 else [])
+    return "[" + ", ".join(items) + "]"
+
+
 def _v(field: str, rule: str, message: str) -> Violation:
     return Violation(field, rule, RULES[rule], message)
 
@@ -186,19 +197,19 @@ def _tensor_shape_rules(name: str, t: TensorDesc, level: str) -> Iterator[Violat
                  f"{name}.DimensionCount = {count}; ADAM_OPTIMIZER at feature level {level} takes {allowed}")
     if count != len(t.sizes):
         yield _v(f"{name}.Sizes", "sizes-length",
-                 f"{name}.DimensionCount = {count} but Sizes has {len(t.sizes)} entries {list(t.sizes)}")
+                 f"{name}.DimensionCount = {count} but Sizes has {len(t.sizes)} entries {_seq(t.sizes)}")
     if t.strides is not None and len(t.strides) != count:
         yield _v(f"{name}.Strides", "strides-length",
-                 f"{name}.Strides has {len(t.strides)} entries {list(t.strides)}; DimensionCount is {count}")
+                 f"{name}.Strides has {len(t.strides)} entries {_seq(t.strides)}; DimensionCount is {count}")
     if 0 in t.sizes:
-        yield _v(f"{name}.Sizes", "zero-size", f"{name}.Sizes {list(t.sizes)} contains 0; no size may be 0")
+        yield _v(f"{name}.Sizes", "zero-size", f"{name}.Sizes {_seq(t.sizes)} contains 0; no size may be 0")
     if t.element_count > MAX_ELEMENTS:
         yield _v(f"{name}.Sizes", "element-count",
-                 f"{name}.Sizes {list(t.sizes)} hold {t.element_count} elements; a buffer tensor holds at most "
+                 f"{name}.Sizes {_seq(t.sizes)} hold {_n(t.element_count)} elements; a buffer tensor holds at most "
                  f"2^32 - 1 = {MAX_ELEMENTS}")
     if name == _STEP and any(s != 1 for s in t.sizes):
         yield _v(f"{name}.Sizes", "step-scalar",
-                 f"{name}.Sizes = {list(t.sizes)}; the training step is a scalar (every size 1)")
+                 f"{name}.Sizes = {_seq(t.sizes)}; the training step is a scalar (every size 1)")
 
 
 def _tensor_type_rules(name: str, t: TensorDesc, params: TensorDesc) -> Iterator[Violation]:
@@ -217,7 +228,7 @@ def _tensor_type_rules(name: str, t: TensorDesc, params: TensorDesc) -> Iterator
                  f"{name}.DataType = {t.data_type} differs from {_PARAMS}.DataType = {params.data_type}")
     if t.sizes != params.sizes:
         yield _v(f"{name}.Sizes", "same-sizes",
-                 f"{name}.Sizes = {list(t.sizes)} differ from {_PARAMS}.Sizes = {list(params.sizes)}")
+                 f"{name}.Sizes = {_seq(t.sizes)} differ from {_PARAMS}.Sizes = {_seq(params.sizes)}")
 
 
 def _tensor_storage_rules(name: str, t: TensorDesc) -> Iterator[Violation]:
@@ -228,7 +239,7 @@ def _tensor_storage_rules(name: str, t: TensorDesc) -> Iterator[Violation]:
                  f"{name}.TotalTensorSizeInBytes = {total} is not a multiple of 4")
     elif minimum is not None and total < minimum:
         yield _v(f"{name}.TotalTensorSizeInBytes", "total-size",
-                 f"{name}.TotalTensorSizeInBytes = {total} is less than DMLCalcBufferTensorSize = {minimum}")
+                 f"{name}.TotalTensorSizeInBytes = {total} is less than DMLCalcBufferTensorSize = {_n(minimum)}")
     align = t.guaranteed_base_offset_alignment
     if align and (align & (align - 1) or align < t.element_size):
         yield _v(f"{name}.GuaranteedBaseOffsetAlignment", "alignment",
@@ -275,7 +286,7 @@ def _step_value_rules(value: int | None) -> Iterator[Violation]:
         return
     if not 0 <= value <= UINT32_MAX:
         yield _v("TrainingStepValue", "training-step-range",
-                 f"TrainingStepValue = {value} does not fit in UINT32 (0..{UINT32_MAX})")
+                 f"TrainingStepValue = {_n(value)} does not fit in UINT32 (0..{UINT32_MAX})")
     elif value == 0:
         yield _v("TrainingStepValue", "training-step-zero",
                  "TrainingStepValue = 0 makes Alpha = sqrt(1 - Beta2^0) / (1 - Beta1^0) = 0/0 (NaN); start at 1")
