@@ -329,19 +329,21 @@ def adam_(
     norm_coefficient: Scalar = 0.0,
     norm_coefficient_post: Scalar = 0.0,
     scratch: torch.Tensor | None = None,
+    scratch2: torch.Tensor | None = None,
 ) -> None:
     """ONNX Adam (and DirectML ADAM_OPTIMIZER) in place on ``x``/``v``/``h``.
 
     ``step_size`` is ``adam_coefficients(...)`` or ``dml_adam_coefficients(...)``'s
     ``"step_size"``.  The second-moment term uses ``(1 - beta)`` computed here,
     so with tensor ``alpha``/``beta`` the result stays exact for a no-op step
-    (``alpha = beta = 1``, ``step_size = 0``).
+    (``alpha = beta = 1``, ``step_size = 0``).  ``scratch2`` is needed only
+    with a nonzero ``norm_coefficient`` and a tensor ``beta`` (else allocated).
     """
     g_reg = _regularized(x, g, norm_coefficient, scratch)
     _scale_(v, alpha)
     _axpy_(v, g_reg, 1 - alpha)
     _scale_(h, beta)
-    _add_square_(h, g_reg, 1 - beta, scratch if g_reg is not scratch else None)
+    _add_square_(h, g_reg, 1 - beta, scratch if g_reg is not scratch else scratch2)
     den = torch.sqrt(h, out=scratch).add_(epsilon)
     _add_ratio_(x, v, den, step_size.neg() if isinstance(step_size, torch.Tensor) else -step_size)
     _scale_(x, 1 - norm_coefficient_post)

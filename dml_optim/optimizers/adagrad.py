@@ -62,8 +62,8 @@ class Adagrad(FlatOptimizer):
         F.check_hyperparameter("epsilon", group["epsilon"], low=0.0)
         F.check_hyperparameter("norm_coefficient", group["norm_coefficient"], low=0.0)
 
-    def _scratch_count(self, group) -> int:
-        return 2
+    def _scratch_count(self, group, gated: bool) -> int:
+        return 2 if group["norm_coefficient"] else 1
 
     def _constants(self, group):
         return {"epsilon": group["epsilon"], "norm_coefficient": group["norm_coefficient"]}
@@ -72,7 +72,7 @@ class Adagrad(FlatOptimizer):
         return F.adagrad_coefficients(group["lr"], T, decay_factor=group["decay_factor"])
 
     def _rule(self, x, g, states, scalars, scratch):
-        F.adagrad_(x, g, *states, scratch=scratch[0], scratch2=scratch[1], **scalars)
+        F.adagrad_(x, g, *states, scratch=scratch[0], scratch2=scratch[1] if len(scratch) > 1 else None, **scalars)
 
     @staticmethod
     def _from_torch_group(saved: dict[str, Any]) -> dict[str, Any]:

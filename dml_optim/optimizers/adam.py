@@ -87,6 +87,9 @@ class Adam(FlatOptimizer):
         F.check_hyperparameter("norm_coefficient", group["norm_coefficient"], low=0.0)
         F.check_hyperparameter("norm_coefficient_post", group["norm_coefficient_post"], low=0.0, high=1.0)
 
+    def _scratch_count(self, group, gated: bool) -> int:
+        return 2 if group["norm_coefficient"] and gated else 1
+
     def _constants(self, group):
         return {k: group[k] for k in ("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post")}
 
@@ -94,7 +97,7 @@ class Adam(FlatOptimizer):
         return F.adam_coefficients(group["lr"], T, alpha=group["alpha"], beta=group["beta"])
 
     def _rule(self, x, g, states, scalars, scratch):
-        F.adam_(x, g, *states, scratch=scratch[0], **scalars)
+        F.adam_(x, g, *states, scratch=scratch[0], scratch2=scratch[1] if len(scratch) > 1 else None, **scalars)
 
     @staticmethod
     def _from_torch_group(saved: dict[str, Any]) -> dict[str, Any]:

@@ -144,7 +144,8 @@ class FlatOptimizer(Optimizer):
         """Apply the rule in place (``functional.*_``)."""
         raise NotImplementedError
 
-    def _scratch_count(self, group: dict[str, Any]) -> int:
+    def _scratch_count(self, group: dict[str, Any], gated: bool) -> int:
+        """Full-size scratch tensors the rule needs (``gated``: coefficients are tensors)."""
         return 1
 
     # -- construction ---------------------------------------------------------
@@ -169,13 +170,18 @@ class FlatOptimizer(Optimizer):
             group.setdefault(name, value)
         self._check_hyperparameters(group)
         self._check_options(group)
+        first_index: dict[int, int] = {}
+        for i, p in enumerate(params):
+            if id(p) in first_index:
+                raise ValueError(
+                    f"params: param_groups[{group_index}] lists the same parameter twice "
+                    f"(['params'][{first_index[id(p)]}] and ['params'][{i}])"
+                )
+            first_index[id(p)] = i
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         for i, p in enumerate(params):
             if id(p) in seen:
                 raise ValueError(f"params: {describe_param(p, i, group_index)} appears in more than one parameter group")
-            seen.add(id(p))
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError(f"params: param_groups[{group_index}] lists the same parameter twice")
         devices = {str(p.device) for p in params}
         if len(devices) > 1:
             raise ValueError(f"params: param_groups[{group_index}] mixes devices {sorted(devices)}; use one group per device")
@@ -239,6 +245,8 @@ class FlatOptimizer(Optimizer):
     def _ensure_state(self, group, flat: FlatBuffer) -> None:
         """Allocate flat states, master copy and scratch (first step, or after a load)."""
         if flat.states:
+            if len(flat.scratch) != self._scratch_total(group, flat):
+                self._alloc_scratch(group, flat)
             return
         sdtype = self._state_dtype(group, flat)
         for name in self.state_names:
@@ -255,15 +263,15 @@ class FlatOptimizer(Optimizer):
         cdtype = self._compute_dtype(group, flat)
         return any(d != cdtype for d in self._operand_dtypes(group, flat))
 
+    def _scratch_total(self, group, flat: FlatBuffer) -> int:
+        n = self._scratch_count(group, gated=flat.device_steps is not None)
+        return n + 2 + len(self.state_names) if self._chunked(group, flat) else n
+
     def _alloc_scratch(self, group, flat: FlatBuffer) -> None:
+        """Scratch for the rule (and, in chunked mode, for the converted operands)."""
+        size = min(flat.numel, CHUNK_ELEMENTS) if self._chunked(group, flat) else flat.numel
         cdtype = self._compute_dtype(group, flat)
-        n = self._scratch_count(group)
-        if self._chunked(group, flat):
-            size = min(flat.numel, CHUNK_ELEMENTS)
-            n += 2 + len(self.state_names)  # converted x, g and states
-        else:
-            size = flat.numel
-        flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(n)]
+        flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(self._scratch_total(group, flat))]
 
     # -- stepping -------------------------------------------------------------
 
@@ -442,6 +450,8 @@ class FlatOptimizer(Optimizer):
             flat.step_history = list(flat.steps)
             flat.history_ids = {}
             flat.gated_calls = 0
+        if len(flat.scratch) != self._scratch_total(group, flat):
+            self._alloc_scratch(group, flat)
         coef_dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
         updates = []
         for (active, _), run in self._runs(flat, has_grad, flat.step_history):
@@ -521,6 +531,8 @@ class FlatOptimizer(Optimizer):
         for name, identity in self.skip_identity.items():
             if name in gated:
                 value = gated[name]
+                if not isinstance(value, torch.Tensor) and value == identity:
+                    continue  # already a no-op: stays a number (fewer ops, no scratch needed)
                 if not isinstance(value, torch.Tensor):
                     value = _device_constant(value, dtype, finite.device)
                 gated[name] = torch.where(finite, value, _device_constant(identity, dtype, finite.device))
@@ -544,11 +556,14 @@ class FlatOptimizer(Optimizer):
         names = self.state_names
         operands = [x, flat.grad] + [flat.states[n] for n in names]
         if not self._chunked(group, flat):
+            if run.start == 0 and run.end == flat.numel:  # the common case: no view ops at all
+                rule(x, flat.grad, [flat.states[n] for n in names], scalars, flat.scratch)
+                return
             sl = slice(run.start, run.end)
             scratch = [s[sl] for s in flat.scratch]
             rule(x[sl], flat.grad[sl], [flat.states[n][sl] for n in names], scalars, scratch)
             return
-        n_rule = self._scratch_count(group)
+        n_rule = len(flat.scratch) - len(operands)
         chunk = len(flat.scratch[0])
         conv = flat.scratch[n_rule:]
         for a in range(run.start, run.end, chunk):

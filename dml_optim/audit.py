@@ -1,0 +1,661 @@
+"""Record the aten ops of one optimizer step and classify them for DirectML.
+
+:func:`audit_step` runs one ``optimizer.step()`` under a
+:class:`~torch.utils._python_dispatch.TorchDispatchMode` recorder (wherever the
+parameters live: CPU, CUDA, DirectML) and resolves every recorded aten op with
+the dispatch table of torch-directml 0.2.5 shipped in the package
+(:mod:`dml_optim.dml.dispatch`): what the same step would dispatch on a
+DirectML device, which ops would fall back to the CPU, how many host
+synchronisations and new allocations it makes.
+
+Counting rules (what :class:`AuditReport` reports):
+
+* **ops**: every aten op that reaches the dispatcher below autograd (views
+  such as ``slice.Tensor`` included: each is a dispatch).  Ops outside the
+  ``aten`` namespace (``profiler::_record_function_*``, which
+  ``torch.optim.Optimizer`` wraps around every ``step``) are not counted.
+* **foreach ops** (``aten::_foreach_*``) count as *one op per tensor* of their
+  first list: torch-directml has no foreach kernels, so
+  ``_foreach_lerp_.Scalar`` over 161 tensors runs as 161 ``lerp_.Scalar``; they
+  resolve as that per-tensor op (:func:`~dml_optim.dml.dispatch.foreach_element_op`).
+* **resolution**: the table's entry; ``native`` and ``native via aten::X.out``
+  are native.  An op the table marks ``composite`` is resolved through what it
+  decomposes into: its ``CompositeExplicitAutograd`` (or implicit) kernel is run
+  on ``meta`` copies of its arguments under a second recorder, and the ops it
+  calls are resolved in turn (e.g. ``slice.Tensor`` → ``as_strided``: native;
+  ``mul_.Scalar`` → ``mul_.Tensor``: native).  If no decomposition can be run
+  the op stays ``composite`` (neither native nor a fallback).
+* **host syncs**: calls of ``aten::_local_scalar_dense`` (``.item()``,
+  ``bool(t)``, ``float(t)``) and of ops whose output size depends on the data
+  (``nonzero``, ``masked_select``, ``unique``...), *except* reads of
+  torch.optim's CPU step counters (below).
+* **CPU step-counter reads**: torch.optim keeps the non-capturable, non-fused
+  ``state["step"]`` tensors on the CPU on every device, so reading them
+  (``_get_value(step)`` → ``.item()``) does not wait for the device.  The audit
+  collects those tensors (before and after the step, so a first step counts
+  too) and reports their reads separately, as ``cpu_step_reads``; every other
+  op whose first tensor operand is such a counter (``_foreach_add_`` of the
+  step count) runs on the CPU, not on DirectML, and is listed in
+  ``host_ops``, not in ``ops``.  This rule is a statement about where
+  torch.optim puts those tensors, not something the recording can observe
+  when everything runs on one CPU.
+* **allocations**: outputs of an op whose storage did not exist before the
+  step (the storages of the parameters, gradients, states, flat buffers and
+  scratch of the optimizer are collected first) and is not one of the op's
+  inputs' storages (so in-place ops, ``out=`` ops and views do not count),
+  excluding empty tensors and 0-d CPU tensors (Python scalars wrapped by
+  torch).
+
+Limitations: the recording sees what the dispatcher sees.  A device-to-host
+copy through ``.tolist()``/``.numpy()``/``.cpu()`` is only visible when the
+parameters are on an accelerator; on the CPU it is no op at all.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from dml_optim.dml.dispatch import foreach_element_op, resolution
+
+__all__ = [
+    "AuditReport",
+    "audit_step",
+    "audit_torch_equivalent",
+    "make_optimizer",
+    "torch_equivalent",
+    "OPTIMIZER_NAMES",
+    "HOST_SYNC_OPS",
+    "CPU_STEP_READS_NOTE",
+]
+
+#: Names ``make_optimizer``/``torch_equivalent``/``dml-optim audit`` accept.
+OPTIMIZER_NAMES = ("adam", "dml-adam", "adagrad", "momentum")
+
+#: Ops that wait for the device: a scalar read, or an output whose size depends on the data.
+HOST_SYNC_OPS = frozenset({
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+    "aten::equal",
+    "aten::repeat_interleave.Tensor",
+})
+
+CPU_STEP_READS_NOTE = (
+    "CPU step-counter reads (not a device sync on DirectML): torch.optim keeps "
+    "non-capturable state['step'] tensors on the CPU on every device"
+)
+
+_MAX_DEPTH = 4
+
+
+# --------------------------------------------------------------------------
+# resolving an op with the dispatch table
+# --------------------------------------------------------------------------
+
+
+def _kind(how: str) -> str:
+    """``native``, ``fallback``, ``composite`` or ``unknown`` for a table entry."""
+    for kind in ("native", "fallback", "composite"):
+        if how.startswith(kind):
+            return kind
+    return "unknown"
+
+
+def _overload(name: str):
+    """``"aten::mul_.Scalar"`` → ``torch.ops.aten.mul_.Scalar`` (None if absent)."""
+    base, _, overload = name.split("::", 1)[1].partition(".")
+    try:
+        return getattr(getattr(torch.ops.aten, base), overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    return value
+
+
+class _NameRecorder(TorchDispatchMode):
+    """Records the ops a decomposition calls (run on meta tensors), with one example call each."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+        self.calls: dict[str, tuple] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.name()
+        self.names.append(name)
+        self.calls.setdefault(name, (func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _decomposition(func, args, kwargs) -> tuple[list[str], dict[str, tuple]] | None:
+    """The ops ``func``'s composite kernel calls (names, and one example call
+    ``(func, args, kwargs)`` per name), run on meta copies of the arguments."""
+    keys = torch._C.DispatchKey
+    name = func.name()
+    for key in ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional", "CompositeImplicitAutograd"):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
+            continue
+        margs, mkwargs = _to_meta(list(args)), _to_meta(dict(kwargs))
+        if "device" in mkwargs:
+            mkwargs["device"] = torch.device("meta")
+        recorder = _NameRecorder()
+        try:
+            with recorder:
+                func._op_dk(getattr(keys, key), *margs, **mkwargs)
+        except Exception:  # a kernel that cannot run on meta: leave the op composite
+            return None
+        return recorder.names, recorder.calls
+    return None
+
+
+class _Resolver:
+    """Resolves op names (composites through their decomposition), cached by name."""
+
+    def __init__(self):
+        self._cache: dict[str, tuple[str, str]] = {}
+
+    def __call__(self, name: str, func=None, args=(), kwargs=None, depth: int = 0) -> tuple[str, str]:
+        """``(kind, text)``: kind is native/fallback/composite/unknown."""
+        if name in self._cache:
+            return self._cache[name]
+        how = resolution(name)
+        kind = _kind(how)
+        if kind == "composite" and depth < _MAX_DEPTH:
+            func = func if func is not None else _overload(name)
+            inner = _decomposition(func, args, kwargs or {}) if func is not None else None
+            if inner is not None:
+                kind, how = self._combine(*inner, depth)
+        result = (kind, how)
+        if func is not None or kind != "composite":
+            self._cache[name] = result
+        return result
+
+    def _combine(self, inner: list[str], calls: dict[str, tuple], depth: int) -> tuple[str, str]:
+        if not inner:
+            return "native", "composite → no kernel (metadata only)"
+        parts, kinds = [], []
+        for sub, n in Counter(inner).items():
+            func, args, kwargs = calls[sub]
+            k, how = self(sub, func, args, kwargs, depth=depth + 1)
+            kinds.append(k)
+            parts.append(f"{'%d x ' % n if n > 1 else ''}{sub} ({how})")
+        kind = "fallback" if "fallback" in kinds else "native" if all(k == "native" for k in kinds) else (
+            "unknown" if "unknown" in kinds else "composite")
+        return kind, "composite → " + ", ".join(parts)
+
+
+# --------------------------------------------------------------------------
+# the recorder
+# --------------------------------------------------------------------------
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return t.data_ptr()
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _first_operand(args) -> list[torch.Tensor]:
+    """The first tensor argument, or the tensors of the first tensor list."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return [a]
+        if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
+            return list(a)
+    return []
+
+
+def _element_args(args, kwargs) -> tuple[list, dict]:
+    """Arguments of the first per-tensor call a ``_foreach_*`` op makes."""
+    def first(v):
+        return v[0] if isinstance(v, (list, tuple)) and v else v
+
+    return [first(a) for a in args], {k: first(v) for k, v in kwargs.items()}
+
+
+@dataclass
+class _Event:
+    name: str
+    count: int
+    first_ptrs: tuple[int, ...]
+    element: str | None
+    func: Any
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op with the storages of its first operand, and counts allocations."""
+
+    def __init__(self, known_storages: set[int]):
+        super().__init__()
+        self.known = known_storages
+        self.events: list[_Event] = []
+        self.allocations = 0
+        self.allocated_bytes = 0
+        self.ignored = Counter()
+        self._meta_args: dict[str, tuple] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.name()
+        if not name.startswith("aten::"):
+            self.ignored[name] += 1
+            return out
+        first = _first_operand(args)
+        element = foreach_element_op(name)
+        count = max(1, len(first)) if element is not None else 1
+        keep_args = name not in self._meta_args
+        if keep_args:  # one example call per op, as meta tensors, for decompositions
+            call_args, call_kwargs = _element_args(args, kwargs) if element is not None else (args, kwargs)
+            self._meta_args[name] = (_to_meta(list(call_args)), _to_meta(dict(call_kwargs)))
+        self.events.append(_Event(name, count, tuple(_storage_ptr(t) for t in first), element, func))
+        self._count_allocations(args, kwargs, out)
+        return out
+
+    def _count_allocations(self, args, kwargs, out) -> None:
+        inputs = {_storage_ptr(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            if t.numel() == 0 or (t.dim() == 0 and t.device.type == "cpu"):
+                continue
+            ptr = _storage_ptr(t)
+            if ptr in self.known or ptr in inputs:
+                continue
+            self.allocations += 1
+            self.allocated_bytes += t.untyped_storage().nbytes()
+
+
+# --------------------------------------------------------------------------
+# what the optimizer holds
+# --------------------------------------------------------------------------
+
+
+def _walk(value, seen: set[int], out: list[torch.Tensor], depth: int = 0) -> None:
+    if depth > 6 or id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+        if value.grad is not None:
+            out.append(value.grad)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _walk(k, seen, out, depth + 1)
+            _walk(v, seen, out, depth + 1)
+    elif isinstance(value, (list, tuple, set)):
+        for v in value:
+            _walk(v, seen, out, depth + 1)
+    elif hasattr(value, "__dict__") and type(value).__module__.startswith("dml_optim"):
+        _walk(vars(value), seen, out, depth + 1)
+
+
+def _held_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters, gradients, states, flat buffers and scratch the optimizer holds."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    _walk(optimizer.param_groups, seen, out)
+    _walk(optimizer.state, seen, out)
+    _walk(getattr(optimizer, "_flats", []), seen, out)
+    return out
+
+
+def _cpu_step_counters(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Storages of torch.optim's ``state['step']`` tensors that live on the CPU on every device."""
+    from dml_optim.optimizers.base import FlatOptimizer
+
+    if isinstance(optimizer, FlatOptimizer):
+        return set()
+    ptrs = set()
+    for group in optimizer.param_groups:
+        if group.get("capturable", False) or group.get("fused", False):
+            continue
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step") if p in optimizer.state else None
+            if isinstance(step, torch.Tensor) and step.device.type == "cpu" and step.dim() == 0:
+                ptrs.add(_storage_ptr(step))
+    return ptrs
+
+
+def _flat_buffer_count(optimizer: torch.optim.Optimizer) -> int:
+    flats = getattr(optimizer, "_flats", None)
+    if flats is not None:
+        return sum(len(f) for f in flats)
+    return sum(len(g["params"]) for g in optimizer.param_groups)
+
+
+def _describe(optimizer: torch.optim.Optimizer) -> str:
+    from dml_optim.optimizers.base import FlatOptimizer
+
+    cls = type(optimizer)
+    if isinstance(optimizer, FlatOptimizer):
+        return f"dml_optim.{cls.__name__}"
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    mode = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
+    return f"{cls.__module__.replace('torch.optim.' + cls.__name__.lower(), 'torch.optim')}.{cls.__name__} ({mode})"
+
+
+# --------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class AuditReport:
+    """What one step dispatches, resolved for torch-directml 0.2.5.
+
+    Attributes:
+        optimizer: what was audited, e.g. ``"dml_optim.Adam"``.
+        ops: ``(op, count, resolution)`` for the ops run on the parameters'
+            device, most frequent first (foreach ops as their per-tensor op).
+        total_ops: sum of the counts in ``ops``: dispatches per step on DirectML.
+        fallbacks: ``(op, count)`` of the ops that fall back to the CPU on DirectML.
+        host_syncs: ops that wait for the device (see :data:`HOST_SYNC_OPS`).
+        cpu_step_reads: reads of torch.optim's CPU step counters (not syncs).
+        host_ops: ``(op, count)`` of ops on those CPU step counters (not on DirectML).
+        allocations: tensors allocated by the step (see the module docstring).
+        allocated_bytes: their total size.
+        flat_buffers: flat buffers of a dml_optim optimizer, else parameter tensors.
+        num_tensors, numel: parameter tensors and elements.
+        device: where the step was recorded.
+    """
+
+    optimizer: str
+    ops: list[tuple[str, int, str]]
+    total_ops: int
+    fallbacks: list[tuple[str, int]]
+    host_syncs: int
+    cpu_step_reads: int
+    allocations: int
+    flat_buffers: int
+    allocated_bytes: int = 0
+    host_ops: list[tuple[str, int]] = field(default_factory=list)
+    num_tensors: int = 0
+    numel: int = 0
+    device: str = "cpu"
+    kinds: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def fallback_ops(self) -> int:
+        """Number of op calls that fall back to the CPU on DirectML."""
+        return sum(n for _, n in self.fallbacks)
+
+    @property
+    def all_native(self) -> bool:
+        """Every recorded device op resolves to a native DirectML kernel."""
+        return all(self.kinds.get(op) == "native" for op, _, _ in self.ops)
+
+    def non_native(self) -> list[tuple[str, int, str]]:
+        """The ``ops`` entries that are not native (fallback, composite, unknown)."""
+        return [row for row in self.ops if self.kinds.get(row[0]) != "native"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer,
+            "device": self.device,
+            "num_tensors": self.num_tensors,
+            "numel": self.numel,
+            "flat_buffers": self.flat_buffers,
+            "total_ops": self.total_ops,
+            "fallback_ops": self.fallback_ops,
+            "fallbacks": [{"op": op, "count": n} for op, n in self.fallbacks],
+            "host_syncs": self.host_syncs,
+            "cpu_step_reads": self.cpu_step_reads,
+            "allocations": self.allocations,
+            "allocated_bytes": self.allocated_bytes,
+            "all_native": self.all_native,
+            "ops": [{"op": op, "count": n, "resolution": how, "kind": self.kinds.get(op, "unknown")}
+                    for op, n, how in self.ops],
+            "host_ops": [{"op": op, "count": n} for op, n in self.host_ops],
+        }
+
+    def format(self, top: int | None = None) -> str:
+        """A readable multi-line summary; ``top`` limits the op list."""
+        lines = [
+            f"{self.optimizer}: {self.num_tensors} parameter tensors, {self.numel:,} elements, "
+            f"{self.flat_buffers} {'flat buffer(s)' if self.optimizer.startswith('dml_optim') else 'tensors'} "
+            f"(recorded on {self.device}, resolved for torch-directml 0.2.5)",
+            f"  aten ops per step on DirectML: {self.total_ops}",
+            f"  CPU fallbacks on DirectML:     {self.fallback_ops} op calls"
+            + (f" ({', '.join(f'{op} x{n}' for op, n in self.fallbacks)})" if self.fallbacks else ""),
+            f"  host syncs:                    {self.host_syncs}",
+            f"  CPU step-counter reads:        {self.cpu_step_reads} (not a device sync on DirectML)",
+            f"  allocations:                   {self.allocations} ({_bytes(self.allocated_bytes)})",
+        ]
+        if self.host_ops:
+            lines.append(f"  ops on CPU step counters:      {sum(n for _, n in self.host_ops)} (run on the host)")
+        rows = self.ops if top is None else self.ops[:top]
+        lines.append("  count  op                              DirectML resolution")
+        for op, n, how in rows:
+            lines.append(f"  {n:>5}  {op:<32} {how}")
+        if top is not None and len(self.ops) > top:
+            lines.append(f"  ... {len(self.ops) - top} more ops")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def audit_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None, *, step: bool = True) -> AuditReport:
+    """Run ``optimizer.step(closure)`` once under a recorder and classify what it dispatched.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (ours or torch's) whose
+            parameters have gradients.
+        closure: passed to ``step`` (its ops are recorded too).
+        step: must be True (the audit is of one real step; kept for symmetry
+            with callers that build the report from a step they run themselves).
+
+    Returns:
+        An :class:`AuditReport`.  The step really happens: parameters and
+        states are updated as by a plain ``optimizer.step()``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if step is not True:
+        raise ValueError(f"step must be True (audit_step runs one optimizer step), got {step!r}")
+    _refuse_compiled(optimizer)
+    held = _held_tensors(optimizer)
+    known = {_storage_ptr(t) for t in held if t.numel() > 0}
+    counters_before = _cpu_step_counters(optimizer)
+    recorder = _Recorder(known)
+    with recorder:
+        optimizer.step(closure) if closure is not None else optimizer.step()
+    counters = counters_before | _cpu_step_counters(optimizer)
+    return _report(optimizer, recorder, counters)
+
+
+def _refuse_compiled(optimizer) -> None:
+    """A torch.compile'd rule is one fused kernel, not the op chain DirectML runs: refuse it."""
+    from dml_optim.optimizers.base import FlatOptimizer
+
+    if not isinstance(optimizer, FlatOptimizer):
+        return
+    try:
+        from dml_optim.backends import resolved_backends
+    except ImportError:  # pragma: no cover - a backends module without it compiles nothing
+        return
+    if any(b == "compiled" for names in resolved_backends(optimizer) for b in names):
+        raise ValueError(
+            "audit_step audits the eager op chain that DirectML runs, but this optimizer compiles some of its "
+            "flat buffers (torch.compile on CPU/CUDA); construct it with backend='eager' to audit it"
+        )
+
+
+def _report(optimizer, recorder: _Recorder, counters: set[int]) -> AuditReport:
+    resolve = _Resolver()
+    ops: Counter = Counter()
+    host_ops: Counter = Counter()
+    host_syncs = cpu_reads = 0
+    for ev in recorder.events:
+        on_counters = bool(ev.first_ptrs) and all(p in counters for p in ev.first_ptrs)
+        if ev.name in HOST_SYNC_OPS:
+            if on_counters:
+                cpu_reads += ev.count
+                continue
+            host_syncs += ev.count
+        if on_counters:
+            host_ops[ev.name] += ev.count
+            continue
+        ops[ev.element or ev.name] += ev.count
+    funcs = {ev.element or ev.name: (ev.func if ev.element is None else None, ev.name) for ev in recorder.events}
+    rows, kinds, fallbacks = [], {}, []
+    for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])):
+        func, recorded = funcs[op]
+        meta_args, meta_kwargs = recorder._meta_args.get(recorded, ((), {}))
+        kind, how = resolve(op, func if func is not None else _overload(op), meta_args, meta_kwargs)
+        rows.append((op, n, how))
+        kinds[op] = kind
+        if kind == "fallback":
+            fallbacks.append((op, n))
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    device = str(params[0].device) if params else "cpu"
+    return AuditReport(
+        optimizer=_describe(optimizer),
+        ops=rows,
+        total_ops=sum(ops.values()),
+        fallbacks=fallbacks,
+        host_syncs=host_syncs,
+        cpu_step_reads=cpu_reads,
+        allocations=recorder.allocations,
+        allocated_bytes=recorder.allocated_bytes,
+        flat_buffers=_flat_buffer_count(optimizer),
+        host_ops=sorted(host_ops.items(), key=lambda kv: (-kv[1], kv[0])),
+        num_tensors=len(params),
+        numel=sum(p.numel() for p in params),
+        device=device,
+        kinds=kinds,
+    )
+
+
+# --------------------------------------------------------------------------
+# building ours and the torch.optim equivalent (DESIGN.md §2)
+# --------------------------------------------------------------------------
+
+_HYPER = {
+    "adam": ("lr", "alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post"),
+    "dml-adam": ("lr", "beta1", "beta2", "epsilon"),
+    "adagrad": ("lr", "decay_factor", "epsilon", "norm_coefficient"),
+    "momentum": ("lr", "alpha", "beta", "mode", "norm_coefficient"),
+}
+_DEFAULT_LR = {"adam": 1e-3, "dml-adam": 1e-3, "adagrad": 1e-2, "momentum": 1e-2}
+
+
+def _check_name(name: str) -> str:
+    if name not in OPTIMIZER_NAMES:
+        raise ValueError(f"name must be one of {', '.join(OPTIMIZER_NAMES)}, got {name!r}")
+    return name
+
+
+def _check_hyper(name: str, hyper: dict[str, Any]) -> None:
+    unknown = sorted(set(hyper) - set(_HYPER[name]))
+    if unknown:
+        raise TypeError(f"{name}: unknown hyperparameter(s) {', '.join(unknown)} (expected some of {', '.join(_HYPER[name])})")
+
+
+def make_optimizer(name: str, params: Iterable, *, backend: str = "eager", **hyper) -> torch.optim.Optimizer:
+    """``dml_optim`` optimizer ``name`` (``adam``, ``dml-adam``, ``adagrad``, ``momentum``).
+
+    ``hyper`` takes the optimizer's own hyperparameter names (unknown names
+    raise ``TypeError``); ``lr`` defaults to 1e-3 (Adam, DmlAdam) or 1e-2.
+    ``backend`` defaults to ``"eager"``: the op chain DirectML runs (``"auto"``
+    resolves to it on DirectML, but may compile large buffers on CPU/CUDA,
+    which :func:`audit_step` refuses to audit).
+    """
+    import dml_optim
+
+    _check_hyper(_check_name(name), hyper)
+    cls = {"adam": dml_optim.Adam, "dml-adam": dml_optim.DmlAdam, "adagrad": dml_optim.Adagrad,
+           "momentum": dml_optim.Momentum}[name]
+    hyper = dict(hyper)
+    lr = hyper.pop("lr", _DEFAULT_LR[name])
+    return cls(params, lr, backend=backend, **hyper)
+
+
+def torch_equivalent(name: str, params: Iterable, *, foreach: bool | None = True, fused: bool | None = None,
+                     **hyper) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer equal to ``dml_optim`` optimizer ``name`` (DESIGN.md §2).
+
+    * ``adam`` → ``Adam(lr, betas=(alpha, beta), eps=epsilon, weight_decay=norm_coefficient)``
+      (equal only for ``epsilon == 0``: epsilon is placed differently;
+      ``norm_coefficient_post`` has no torch equivalent and must be 0);
+    * ``dml-adam`` → ``Adam(lr, betas=(beta1, beta2), eps=epsilon)`` (same epsilon caveat);
+    * ``adagrad`` → ``Adagrad(lr, lr_decay=decay_factor, eps=epsilon, weight_decay=norm_coefficient)``;
+    * ``momentum`` → ``SGD(lr, momentum=alpha, dampening=1 - beta, weight_decay=norm_coefficient,
+      nesterov=mode == "nesterov")`` (nesterov needs ``beta == 1``).
+
+    Defaults are ours (so the two optimizers run the same configuration).
+    ``foreach=True`` is what torch 2.4 picks on a DirectML (``privateuseone``) device.
+    """
+    import dml_optim
+
+    _check_hyper(_check_name(name), hyper)
+    cls = {"adam": dml_optim.Adam, "dml-adam": dml_optim.DmlAdam, "adagrad": dml_optim.Adagrad,
+           "momentum": dml_optim.Momentum}[name]
+    import inspect
+
+    defaults = {k: v.default for k, v in inspect.signature(cls).parameters.items() if v.default is not inspect.Parameter.empty}
+    h = {k: hyper.get(k, defaults.get(k)) for k in _HYPER[name]}
+    if h["lr"] is None:
+        h["lr"] = _DEFAULT_LR[name]
+    mode = {"foreach": foreach, "fused": fused}
+    if name == "adam":
+        if h["norm_coefficient_post"]:
+            raise ValueError(f"norm_coefficient_post={h['norm_coefficient_post']!r} has no torch.optim.Adam equivalent; use 0")
+        return torch.optim.Adam(params, lr=h["lr"], betas=(h["alpha"], h["beta"]), eps=h["epsilon"],
+                                weight_decay=h["norm_coefficient"], **mode)
+    if name == "dml-adam":
+        return torch.optim.Adam(params, lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["epsilon"], **mode)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=h["lr"], lr_decay=h["decay_factor"], eps=h["epsilon"],
+                                   weight_decay=h["norm_coefficient"], **mode)
+    nesterov = h["mode"] == "nesterov"
+    if nesterov and h["beta"] != 1:
+        raise ValueError(f"mode='nesterov' with beta={h['beta']!r} has no torch.optim.SGD equivalent (nesterov needs beta=1)")
+    return torch.optim.SGD(params, lr=h["lr"], momentum=h["alpha"], dampening=1 - h["beta"],
+                           weight_decay=h["norm_coefficient"], nesterov=nesterov, **mode)
+
+
+def audit_torch_equivalent(name: str, params: Sequence[torch.Tensor], *, foreach: bool | None = True,
+                           fused: bool | None = None, warmup: int = 1, **hyper) -> AuditReport:
+    """Audit one step of the torch.optim equivalent of ``name`` (see :func:`torch_equivalent`).
+
+    ``params`` must have gradients.  ``warmup`` steps run first (unrecorded),
+    so the audited step is a steady-state one (states already allocated).
+    """
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+    opt = torch_equivalent(name, params, foreach=foreach, fused=fused, **hyper)
+    for _ in range(warmup):
+        opt.step()
+    return audit_step(opt)

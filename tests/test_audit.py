@@ -1,0 +1,269 @@
+"""The step audit (issue 4, item 3): ours within budget, torch.optim's fallbacks visible.
+
+Budget, per optimizer, on 100+ parameter tensors of real shapes (the
+resnet50 inventory's tensors of at most 2**14 elements: 115 tensors, 1-d and
+4-d, kept small so the suite stays fast): after a first step, one ``step()``
+dispatches at most 12 aten ops per flat buffer, every one native in the
+shipped torch-directml dispatch table, with no host sync and no allocation.
+The same audit must flag ``torch.optim.Adam`` (foreach: one ``lerp_.Scalar``
+fallback per tensor; fused: ``_fused_adam_``), so it can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import dml_optim
+from dml_optim.audit import (
+    AuditReport,
+    audit_step,
+    audit_torch_equivalent,
+    make_optimizer,
+    torch_equivalent,
+)
+from dml_optim.cli import main
+from dml_optim.inventory import builtin_inventories, load_inventory
+
+OPS_PER_FLAT_BUFFER = 12
+
+
+def _shapes() -> list[tuple[int, ...]]:
+    path = builtin_inventories().get("resnet50")
+    if path is None:  # an installed wheel has no shapes/ folder
+        pytest.skip("shapes/models/resnet50.json is not in this checkout")
+    inv = load_inventory(path)
+    shapes = [shape for _, shape in inv.parameters if math.prod(shape) <= 2**14]
+    assert len(shapes) >= 100
+    return shapes
+
+
+def _params(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).mul_(0.02)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    return params
+
+
+# (id, optimizer name, hyperparameters)
+BUDGET_CASES = [
+    ("adam", "adam", {}),
+    ("adam-norm-coefficients", "adam", dict(norm_coefficient=0.01, norm_coefficient_post=0.001)),
+    ("dml-adam", "dml-adam", {}),
+    ("adagrad", "adagrad", dict(decay_factor=0.01)),
+    ("adagrad-norm-coefficient", "adagrad", dict(norm_coefficient=0.01)),
+    ("momentum-standard", "momentum", dict(beta=0.9)),
+    ("momentum-nesterov-norm-coefficient", "momentum", dict(mode="nesterov", norm_coefficient=0.01)),
+]
+
+def _budget_params():
+    return [pytest.param(name, hyper, id=case_id) for case_id, name, hyper in BUDGET_CASES]
+
+
+def _assert_budget(report: AuditReport) -> None:
+    assert report.total_ops <= OPS_PER_FLAT_BUFFER * report.flat_buffers, report.format()
+    assert report.all_native, report.non_native()
+    assert report.fallbacks == []
+    assert report.host_syncs == 0
+    assert report.cpu_step_reads == 0
+    assert report.allocations == 0, report.format()
+
+
+@pytest.mark.parametrize("name,hyper", _budget_params())
+def test_our_step_is_within_the_budget(name, hyper):
+    shapes = _shapes()
+    opt = make_optimizer(name, _params(shapes), **hyper)
+    opt.step()  # the first step allocates states and scratch
+    report = audit_step(opt)
+    assert report.flat_buffers == 1 and report.num_tensors == len(shapes)
+    _assert_budget(report)
+
+
+def test_budget_scales_with_flat_buffers_not_tensors():
+    shapes = _shapes()
+    params = _params(shapes)
+    half = len(params) // 2
+    opt = dml_optim.Adagrad([{"params": params[:half]}, {"params": params[half:], "lr": 0.1}], backend="eager")
+    opt.step()
+    report = audit_step(opt)
+    assert report.flat_buffers == 2
+    _assert_budget(report)
+
+
+def test_first_step_allocations_are_counted():
+    """The audit sees allocations: the first step creates states and scratch."""
+    opt = make_optimizer("adam", _params([(3, 4), (5,)]))
+    report = audit_step(opt)
+    assert report.allocations >= 3  # exp_avg, exp_avg_sq, scratch
+    assert report.allocated_bytes >= 3 * 17 * 4
+
+
+def test_torch_adam_foreach_falls_back_once_per_tensor():
+    shapes = _shapes()
+    report = audit_torch_equivalent("adam", _params(shapes), epsilon=1e-8)
+    n = len(shapes)
+    assert ("aten::lerp_.Scalar", n) in report.fallbacks
+    assert report.fallback_ops == n
+    assert not report.all_native
+    assert report.total_ops >= 7 * n  # 7 foreach ops over n tensors (torch 2.4 and later)
+    # bias corrections read each CPU step counter twice; those are not device syncs
+    assert report.cpu_step_reads == 2 * n
+    assert report.host_syncs == 0
+    assert report.allocations == n  # one _foreach_sqrt result per tensor
+    assert report.flat_buffers == n
+
+
+@pytest.mark.slow  # torch.optim's fused path imports torch._dynamo on first use (seconds on a 2-core VM)
+def test_torch_adam_fused_is_a_whole_op_fallback():
+    shapes = _shapes()
+    report = audit_torch_equivalent("adam", _params(shapes), foreach=False, fused=True)
+    assert ("aten::_fused_adam_", 1) in report.fallbacks
+    assert report.cpu_step_reads == 0  # fused keeps its step counters on the device
+
+
+def test_step_counters_created_during_the_audited_step_are_recognised():
+    """Auditing torch.optim.Adam's first step: its CPU step counters do not exist before
+    the step, yet their reads are still reported apart from host syncs."""
+    report = audit_torch_equivalent("adam", _params([(3, 2), (4,), (2, 2, 1, 1)]), warmup=0)
+    assert report.cpu_step_reads == 6 and report.host_syncs == 0
+    assert report.allocations >= 2 * 3  # exp_avg and exp_avg_sq of each parameter
+
+
+def test_torch_sgd_and_adagrad_have_no_fallbacks_but_many_ops():
+    shapes = _shapes()
+    n = len(shapes)
+    sgd = audit_torch_equivalent("momentum", _params(shapes), beta=0.9)
+    assert sgd.fallbacks == [] and sgd.total_ops == 3 * n  # mul_, add_ (dampened grad), add_ (update)
+    ada = audit_torch_equivalent("adagrad", _params(shapes))
+    assert ada.fallbacks == [] and ada.total_ops >= 5 * n and ada.cpu_step_reads == n
+
+
+def test_host_sync_is_detected():
+    """``nonfinite="raise"`` checks the gradients with one host read: the audit must count it."""
+    params = _params([(4, 4), (3,)])
+    opt = dml_optim.Adam(params, nonfinite="raise", backend="eager")
+    opt.step()
+    report = audit_step(opt)
+    assert report.host_syncs >= 1
+
+
+class _ToyOptimizer(torch.optim.Optimizer):
+    """Does known things: one foreach op over its params, one .item(), one clone."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = self.param_groups[0]["params"]
+        torch._foreach_mul_(params, 0.5)
+        params[0].sum().item()
+        self.kept = params[1].clone()
+
+
+def test_counting_rules_on_a_known_step():
+    params = _params([(2, 3), (4,), (5, 1, 1, 1)])
+    report = audit_step(_ToyOptimizer(params))
+    ops = {op: n for op, n, _ in report.ops}
+    assert ops["aten::mul_.Scalar"] == 3  # one foreach op = one op per tensor, as its per-tensor op
+    assert ops["aten::sum"] == 1 and ops["aten::clone"] == 1 and ops["aten::_local_scalar_dense"] == 1
+    assert report.total_ops == 6
+    assert report.host_syncs == 1
+    assert report.allocations == 1  # the clone; sum's 0-d result is a CPU scalar, not counted
+    assert report.kinds["aten::mul_.Scalar"] == "native"  # composite, resolved through mul_.Tensor
+
+
+def test_compiled_backend_is_refused():
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    opt = dml_optim.Adam([p], backend="compiled")
+    from dml_optim.backends import resolved_backends
+
+    if resolved_backends(opt) != [["compiled"]]:
+        pytest.skip("torch.compile is unavailable here, so nothing compiles (the refusal cannot trigger)")
+    with pytest.raises(ValueError, match="backend='eager'"):
+        audit_step(opt)
+
+
+def test_report_formats_and_serialises():
+    opt = make_optimizer("momentum", _params([(3, 3), (2,)]))
+    opt.step()
+    report = audit_step(opt)
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["total_ops"] == report.total_ops and d["fallback_ops"] == 0 and d["all_native"] is True
+    assert {"op", "count", "resolution", "kind"} <= set(d["ops"][0])
+    text = report.format()
+    assert "dml_optim.Momentum" in text and "CPU step-counter reads" in text and "not a device sync" in text
+
+
+def test_torch_equivalent_mapping_and_errors():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    sgd = torch_equivalent("momentum", p, lr=0.1, alpha=0.8, beta=0.75, norm_coefficient=0.01)
+    g = sgd.param_groups[0]
+    assert isinstance(sgd, torch.optim.SGD) and g["momentum"] == 0.8 and g["dampening"] == 0.25
+    assert g["weight_decay"] == 0.01 and g["foreach"] is True
+    adam = torch_equivalent("dml-adam", p, beta1=0.5, beta2=0.6, epsilon=0.0)
+    assert adam.param_groups[0]["betas"] == (0.5, 0.6) and adam.param_groups[0]["eps"] == 0.0
+    with pytest.raises(ValueError, match="nesterov"):
+        torch_equivalent("momentum", p, mode="nesterov", beta=0.9)
+    with pytest.raises(ValueError, match="norm_coefficient_post"):
+        torch_equivalent("adam", p, norm_coefficient_post=0.1)
+    with pytest.raises(TypeError, match="betas"):
+        torch_equivalent("adam", p, betas=(0.9, 0.99))
+    with pytest.raises(ValueError, match="name"):
+        make_optimizer("sgd", p)
+
+
+# --------------------------------------------------------------------------
+# dml-optim audit
+# --------------------------------------------------------------------------
+
+
+def test_cli_audit_text(capsys):
+    assert main(["audit", "--optimizer", "adam"]) == 0
+    out = capsys.readouterr().out
+    assert "dml_optim.Adam" in out and "torch.optim.Adam (foreach)" in out
+    assert "aten::lerp_.Scalar" in out and "fallback" in out
+
+
+def test_cli_audit_json_on_a_model(capsys):
+    path = builtin_inventories().get("tiny-mlp")
+    if path is None:
+        pytest.skip("shapes/models/tiny-mlp.json is not in this checkout")
+    assert main(["audit", "--optimizer", "dml-adam", "--model", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    n = d["tensors"]
+    assert d["ours"]["fallback_ops"] == 0 and d["ours"]["host_syncs"] == 0 and d["ours"]["all_native"]
+    assert d["ours"]["total_ops"] <= OPS_PER_FLAT_BUFFER
+    assert d["torch"]["fallback_ops"] == n and d["torch"]["cpu_step_reads"] == 2 * n
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "no/such/model.json"], "--model"),
+    (["--top", "-1"], "--top"),
+])
+def test_cli_audit_usage_errors(capsys, argv, message):
+    assert main(["audit", "--optimizer", "adagrad", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_audit_bad_model_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["audit", "--optimizer", "momentum", "--model", str(bad)]) == 2
+    assert "--model" in capsys.readouterr().err
+
+
+def test_cli_audit_without_inventories_uses_builtin_shapes(monkeypatch, capsys):
+    import dml_optim.inventory
+
+    monkeypatch.setattr(dml_optim.inventory, "builtin_inventories", lambda: {})
+    assert main(["audit", "--optimizer", "momentum", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["model"] == "built-in tiny MLP" and d["tensors"] == 6
+    assert d["torch"]["optimizer"].startswith("torch.optim.SGD")

@@ -1,0 +1,411 @@
+"""Behaviour users rely on: None grads, zero_grad, gathering, schedulers, closures,
+add_param_group, data_ptr stability, DmlAdam's DirectML constraints.
+
+Oracles: ``torch.optim.Adam`` with ``eps=0`` (equal to ``dml_optim.Adam`` with
+``epsilon=0``, DESIGN.md §2), ``torch.optim.Adagrad``/``SGD``, and direct
+checks of storage and identity.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dml_optim
+from dml_optim.cli import main
+from dml_optim.optimizers.dml_adam import UINT32_MAX
+from tolerances import assert_close
+
+F64 = torch.float64
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name().startswith("aten::"):
+            self.ops[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model(dtype=F64, seed=0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3), torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
+    ).to(dtype)
+
+
+def _batch(step: int, dtype=F64):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(4, 2, 6, 6, generator=g, dtype=dtype), torch.randn(4, 2, generator=g, dtype=dtype)
+
+
+def _loss(model, step, dtype=F64):
+    x, y = _batch(step, dtype)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _flat_range(opt, buffer="data"):
+    flat = opt._flats[0][0]
+    t = getattr(flat, buffer)
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _assert_params_equal(a: torch.nn.Module, b: torch.nn.Module, **tol):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert_close(p.detach(), q.detach(), **tol)
+
+
+# --------------------------------------------------------------------------
+# None grads
+# --------------------------------------------------------------------------
+
+
+def test_none_grad_params_are_skipped_exactly_like_torch_optim():
+    """A parameter without a gradient is not updated, its state untouched, and its
+    step count lags (so its bias correction differs), exactly as in torch.optim.Adam."""
+    g = torch.Generator().manual_seed(3)
+    init = [torch.randn(s, generator=g, dtype=F64) for s in [(4,), (2, 3), (), (3, 1, 2, 2)]]
+    ours_p = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_p = [torch.nn.Parameter(t.clone()) for t in init]
+    ours = dml_optim.Adam(ours_p, lr=0.01, epsilon=0.0)
+    ref = torch.optim.Adam(ref_p, lr=0.01, eps=0.0, foreach=False)
+    # skip[step] = indices of params with no gradient at that step
+    skip = {0: {1}, 1: {1, 3}, 2: set(), 3: {0}, 4: {0, 2}, 5: {0, 1, 2, 3}, 6: {2}}
+    for step in range(10):
+        before = [p.detach().clone() for p in ours_p]
+        sd_before = copy.deepcopy(ours.state_dict()["state"])
+        for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+            if i in skip.get(step, set()):
+                p.grad = None
+                q.grad = None
+            else:
+                grad = torch.randn(p.shape, generator=g, dtype=F64)
+                p.grad = grad.clone()
+                q.grad = grad.clone()
+        ours.step()
+        ref.step()
+        sd, rsd = ours.state_dict()["state"], ref.state_dict()["state"]
+        for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+            assert_close(p.detach(), q.detach())
+            if i in skip.get(step, set()):
+                assert torch.equal(p.detach(), before[i]), f"param {i} changed at step {step} without a gradient"
+                assert (i in sd) == (i in sd_before)
+                if i in sd:
+                    for key in ("exp_avg", "exp_avg_sq", "step"):
+                        assert torch.equal(sd[i][key], sd_before[i][key])
+            assert (i in sd) == (i in rsd)
+            if i in sd:
+                assert float(sd[i]["step"]) == float(rsd[i]["step"])
+                assert_close(sd[i]["exp_avg"], rsd[i]["exp_avg"])
+                assert_close(sd[i]["exp_avg_sq"], rsd[i]["exp_avg_sq"])
+    steps = {i: float(ours.state_dict()["state"][i]["step"]) for i in range(4)}
+    assert steps == {0: 7.0, 1: 7.0, 2: 7.0, 3: 8.0}  # 10 steps minus the skips
+
+
+def test_step_with_no_gradient_at_all_changes_nothing():
+    p = torch.nn.Parameter(torch.randn(5, dtype=F64))
+    before = p.detach().clone()
+    opt = dml_optim.Momentum([p], lr=0.1)
+    opt.step()
+    assert torch.equal(p.detach(), before)
+    assert opt.state_dict()["state"] == {}
+
+
+# --------------------------------------------------------------------------
+# zero_grad and gathering
+# --------------------------------------------------------------------------
+
+
+def test_zero_grad_is_one_op_and_keeps_views():
+    model = _model()
+    opt = dml_optim.Adam(model.parameters(), lr=0.01)
+    _loss(model, 0).backward()
+    opt.step()
+    views = [p.grad for p in model.parameters()]
+    lo, hi = _flat_range(opt, "grad")
+    counter = OpCounter()
+    with counter:
+        opt.zero_grad()
+    assert counter.ops == Counter({"aten::zero_": 1})
+    for p, v in zip(model.parameters(), views):
+        assert p.grad is v
+        assert lo <= p.grad.data_ptr() < hi
+        assert not p.grad.any()
+
+
+def test_backward_accumulates_into_the_flat_gradient_buffer():
+    model = _model()
+    opt = dml_optim.Adam(model.parameters(), lr=0.01)
+    _loss(model, 0).backward()
+    opt.step()  # gathers the first (autograd-allocated) gradients
+    opt.zero_grad()
+    ptrs = [p.grad.data_ptr() for p in model.parameters()]
+    _loss(model, 1).backward()
+    assert [p.grad.data_ptr() for p in model.parameters()] == ptrs
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+def test_zero_grad_then_backward_then_step_matches_torch(set_to_none):
+    ours_m, ref_m = _model(), _model()
+    ours = dml_optim.Adam(ours_m.parameters(), lr=0.01, epsilon=0.0)
+    ref = torch.optim.Adam(ref_m.parameters(), lr=0.01, eps=0.0, foreach=False)
+    lo, hi = _flat_range(ours, "grad")
+    for step in range(6):
+        ours.zero_grad(set_to_none=set_to_none)
+        ref.zero_grad(set_to_none=True)
+        if set_to_none:
+            assert all(p.grad is None for p in ours_m.parameters())
+        _loss(ours_m, step).backward()
+        _loss(ref_m, step).backward()
+        ours.step()
+        ref.step()
+        _assert_params_equal(ours_m, ref_m)
+        # after the step every gradient is (again) a view of the flat buffer
+        assert all(lo <= p.grad.data_ptr() < hi for p in ours_m.parameters())
+
+
+def test_user_replaced_grad_is_gathered():
+    g = torch.Generator().manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(3, 4, generator=g, dtype=F64))
+    q = torch.nn.Parameter(torch.randn(6, generator=g, dtype=F64))
+    ref_p, ref_q = (torch.nn.Parameter(t.detach().clone()) for t in (p, q))
+    ours = dml_optim.Adagrad([p, q], lr=0.1)
+    ref = torch.optim.Adagrad([ref_p, ref_q], lr=0.1, eps=1e-10, foreach=False)
+    lo, hi = _flat_range(ours, "grad")
+    for step in range(4):
+        gp, gq = torch.randn(3, 4, generator=g, dtype=F64), torch.randn(6, generator=g, dtype=F64)
+        p.grad, q.grad = gp.clone(), gq.clone()  # foreign tensors, not views of the flat buffer
+        ref_p.grad, ref_q.grad = gp.clone(), gq.clone()
+        ours.step()
+        ref.step()
+        assert lo <= p.grad.data_ptr() < hi and lo <= q.grad.data_ptr() < hi
+        assert torch.equal(p.grad, gp) and torch.equal(q.grad, gq)
+        assert_close(p.detach(), ref_p.detach())
+        assert_close(q.detach(), ref_q.detach())
+
+
+# --------------------------------------------------------------------------
+# schedulers and closures
+# --------------------------------------------------------------------------
+
+SCHEDULERS = {
+    "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch)),
+    "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8, eta_min=1e-4),
+}
+
+
+@pytest.mark.parametrize("make_scheduler", list(SCHEDULERS.values()), ids=list(SCHEDULERS))
+def test_lr_scheduler_behaves_as_on_torch_optim(make_scheduler):
+    ours_m, ref_m = _model(), _model()
+    ours = dml_optim.Adam(ours_m.parameters(), lr=0.05, epsilon=0.0)
+    ref = torch.optim.Adam(ref_m.parameters(), lr=0.05, eps=0.0, foreach=False)
+    ours_s, ref_s = make_scheduler(ours), make_scheduler(ref)
+    ours_lrs, ref_lrs = [], []
+    for step in range(10):
+        ours.zero_grad()
+        ref.zero_grad()
+        _loss(ours_m, step).backward()
+        _loss(ref_m, step).backward()
+        ours.step()
+        ref.step()
+        ours_s.step()
+        ref_s.step()
+        ours_lrs.append(ours.param_groups[0]["lr"])
+        ref_lrs.append(ref.param_groups[0]["lr"])
+        _assert_params_equal(ours_m, ref_m)
+    assert ours_lrs == ref_lrs
+    assert len(set(ours_lrs)) > 2  # the schedule really changed the learning rate
+    assert ours_s.get_last_lr() == ref_s.get_last_lr()
+
+
+def test_closure_is_called_and_its_loss_returned():
+    ours_m, ref_m = _model(), _model()
+    ours = dml_optim.Momentum(ours_m.parameters(), lr=0.05, alpha=0.9)
+    ref = torch.optim.SGD(ref_m.parameters(), lr=0.05, momentum=0.9, foreach=False)
+    for step in range(5):
+        def closure(model=ours_m, opt=ours, step=step):
+            opt.zero_grad()
+            loss = _loss(model, step)
+            loss.backward()
+            return loss
+
+        def ref_closure(model=ref_m, opt=ref, step=step):
+            opt.zero_grad()
+            loss = _loss(model, step)
+            loss.backward()
+            return loss
+
+        loss = ours.step(closure)
+        ref_loss = ref.step(ref_closure)
+        assert isinstance(loss, torch.Tensor)
+        assert_close(loss.detach(), ref_loss.detach())
+        _assert_params_equal(ours_m, ref_m)
+
+
+# --------------------------------------------------------------------------
+# param groups
+# --------------------------------------------------------------------------
+
+
+def test_add_param_group_after_construction():
+    ours_m, ref_m = _model(), _model()
+    ours_layers, ref_layers = list(ours_m.children()), list(ref_m.children())
+    ours = dml_optim.Adam(ours_layers[0].parameters(), lr=0.01, epsilon=0.0)
+    ref = torch.optim.Adam(ref_layers[0].parameters(), lr=0.01, eps=0.0, foreach=False)
+    for step in range(3):
+        for opt, m in ((ours, ours_m), (ref, ref_m)):
+            opt.zero_grad()
+            _loss(m, step).backward()
+            opt.step()
+    late = list(ours_layers[2].parameters()) + list(ours_layers[4].parameters())
+    before = [p.detach().clone() for p in late]
+    ours.add_param_group({"params": late, "lr": 0.02, "beta": 0.99})
+    ref.add_param_group({"params": list(ref_layers[2].parameters()) + list(ref_layers[4].parameters()),
+                         "lr": 0.02, "betas": (0.9, 0.99)})
+    assert len(ours._flats) == 2
+    flat = ours._flats[1][0]
+    lo, hi = flat.data.data_ptr(), flat.data.data_ptr() + flat.data.numel() * flat.data.element_size()
+    assert all(lo <= p.data_ptr() < hi for p in late)  # the new params were packed
+    for step in range(3, 8):
+        for opt, m in ((ours, ours_m), (ref, ref_m)):
+            opt.zero_grad()
+            _loss(m, step).backward()
+            opt.step()
+        _assert_params_equal(ours_m, ref_m)
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(late, before))  # trained
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        ours.add_param_group({"params": [late[0]]})
+    # (the message currently says "more than one parameter group" here too: reported to the lead)
+    with pytest.raises(ValueError, match=r"param_groups\[2\]"):
+        fresh = torch.nn.Parameter(torch.zeros(2, dtype=F64))
+        ours.add_param_group({"params": [fresh, fresh]})
+
+
+def test_group_hyperparameters_can_change_between_steps():
+    """Schedulers and users write ``param_groups[i][...]``; the next step uses it."""
+    p, q = torch.nn.Parameter(torch.zeros(3, dtype=F64)), torch.nn.Parameter(torch.zeros(2, dtype=F64))
+    opt = dml_optim.Momentum([{"params": [p], "lr": 0.1}, {"params": [q], "lr": 0.2, "alpha": 0.0}], lr=0.5)
+    p.grad, q.grad = torch.ones(3, dtype=F64), torch.ones(2, dtype=F64)
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((3,), -0.1, dtype=F64))
+    assert torch.equal(q.detach(), torch.full((2,), -0.2, dtype=F64))
+    opt.param_groups[1]["lr"] = 0.5
+    opt.step()
+    assert_close(q.detach(), torch.full((2,), -0.7, dtype=F64))
+    opt.param_groups[1]["alpha"] = 2.0  # invalid: checked at the step, nothing written
+    with pytest.raises(ValueError, match="alpha"):
+        opt.step()
+    assert_close(q.detach(), torch.full((2,), -0.7, dtype=F64))
+
+
+# --------------------------------------------------------------------------
+# packing: data_ptr stability and identity
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [dml_optim.Adam, dml_optim.Adagrad, dml_optim.Momentum, dml_optim.DmlAdam],
+                         ids=lambda c: c.__name__)
+def test_packing_keeps_parameters_and_module_outputs(cls):
+    dtype = torch.float32 if cls is dml_optim.DmlAdam else F64
+    model = _model(dtype)
+    params = list(model.parameters())
+    x, _ = _batch(0, dtype)
+    with torch.no_grad():
+        out_before = model(x).clone()
+    opt = cls(model.parameters(), lr=0.01)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]  # same Parameter objects
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x), out_before)
+    lo, hi = _flat_range(opt)
+    ptrs = [p.data_ptr() for p in params]
+    assert all(lo <= ptr < hi for ptr in ptrs)
+    assert opt.param_groups[0]["params"][0] is params[0]
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, step, dtype).backward()
+        opt.step()
+        assert [p.data_ptr() for p in model.parameters()] == ptrs
+        assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    with torch.no_grad():
+        assert not torch.equal(model(x), out_before)  # it trained, through the same objects
+
+
+# --------------------------------------------------------------------------
+# DmlAdam: DirectML's constraints
+# --------------------------------------------------------------------------
+
+
+def test_dml_descriptors_are_valid_and_describe_the_flat_buffers(tmp_path, capsys):
+    from dml_optim.dml import loads, validate
+
+    model = _model(torch.float32)
+    opt = dml_optim.DmlAdam([{"params": list(model[0].parameters())},
+                             {"params": list(model[2].parameters()) + list(model[4].parameters()), "lr": 0.01}],
+                            lr=0.001, beta1=0.85, epsilon=1e-7)
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, step, torch.float32).backward()
+        opt.step()
+    descs = opt.dml_descriptors()
+    assert len(descs) == 2
+    numels = [sum(p.numel() for p in g["params"]) for g in opt.param_groups]
+    for desc, numel, group in zip(descs, numels, opt.param_groups):
+        json.dumps(desc)  # plain JSON
+        report = validate(loads(json.dumps(desc)))
+        assert report.valid, report
+        sizes = desc["InputParametersTensor"]["Sizes"]
+        assert torch.Size(sizes).numel() == numel
+        assert desc["InputParametersTensor"]["DataType"] == "FLOAT32"
+        assert desc["TrainingStepTensor"]["DataType"] == "UINT32"
+        assert desc["TrainingStepValue"] == 4  # 3 completed steps, T counted from 1
+        assert desc["LearningRate"] == pytest.approx(group["lr"])
+        assert desc["Beta1"] == pytest.approx(0.85) and desc["Epsilon"] == pytest.approx(1e-7)
+        bindings = desc["Bindings"]
+        for a, b in (("InputParametersTensor", "OutputParametersTensor"),
+                     ("InputFirstMomentTensor", "OutputFirstMomentTensor"),
+                     ("InputSecondMomentTensor", "OutputSecondMomentTensor")):
+            assert bindings[a] == bindings[b]  # in place
+        path = tmp_path / f"desc{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps(desc))
+        capsys.readouterr()
+        assert main(["validate", str(path)]) == 0, capsys.readouterr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_dml_adam_rejects_dtypes_directml_lacks(dtype):
+    p = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+    with pytest.raises(TypeError, match=str(dtype).replace("torch.", "")):
+        dml_optim.DmlAdam([p])
+
+
+def test_dml_adam_raises_before_the_step_counter_leaves_uint32():
+    p = torch.nn.Parameter(torch.randn(4))
+    q = torch.nn.Parameter(torch.randn(3))
+    opt = dml_optim.DmlAdam([p, q], lr=0.01)
+    p.grad, q.grad = torch.randn(4), torch.randn(3)
+    opt.step()
+    flat = opt._flats[0][0]
+    flat.steps = [UINT32_MAX - 1] * len(flat)
+    opt.step()  # T = 2**32 - 1: the last value a UINT32 holds
+    assert flat.steps == [UINT32_MAX] * len(flat)
+    before = copy.deepcopy(opt.state_dict()["state"])
+    params_before = [p.detach().clone(), q.detach().clone()]
+    with pytest.raises(OverflowError, match="UINT32"):
+        opt.step()  # T would be 2**32
+    after = opt.state_dict()["state"]
+    for k in before:
+        for key in before[k]:
+            assert torch.equal(before[k][key], after[k][key])
+    assert torch.equal(p.detach(), params_before[0]) and torch.equal(q.detach(), params_before[1])
+    assert flat.steps == [UINT32_MAX] * len(flat)
