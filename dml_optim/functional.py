@@ -80,6 +80,7 @@ Scalar = Union[float, int, torch.Tensor]
 
 MOMENTUM_MODES = ("standard", "nesterov")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INT64_MAX = 2**63 - 1
 
 
 # --------------------------------------------------------------------------
@@ -140,11 +141,14 @@ def _scalar(name: str, value, *, integer: bool = False) -> float | int:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real scalar, got {value!r} ({type(value).__name__})")
     if integer:
-        if not float(value).is_integer():
-            raise TypeError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(value, numbers.Integral):
+            if not (math.isfinite(value) and float(value).is_integer()):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
         value = int(value)
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+        if value > _INT64_MAX:
+            raise ValueError(f"{name} must fit in int64 (ONNX's type for {name}), got {value}")
         return value
     value = float(value)
     if not math.isfinite(value):
@@ -208,23 +212,35 @@ def _sqrt(a: Scalar) -> Scalar:
     return math.sqrt(a)
 
 
+def _step(T: Scalar) -> Scalar:
+    """A tensor step counter as floating point (an integer one would truncate the
+    coefficients computed from it); float32 unless it is already a float type."""
+    if isinstance(T, torch.Tensor) and not T.is_floating_point():
+        return T.to(torch.float32)
+    return T
+
+
 def adagrad_coefficients(R: Scalar, T: Scalar, *, decay_factor: float) -> dict[str, Scalar]:
     """``{"rate": R / (1 + T * decay_factor)}``."""
+    T = _step(T)
     return {"rate": _div(R, 1 + T * decay_factor)}
 
 
 def momentum_coefficients(R: Scalar, T: Scalar, *, beta: float) -> dict[str, Scalar]:
     """``{"lr": R, "grad_scale": beta if T > 0 else 1}``."""
+    T = _step(T)
     return {"lr": R, "grad_scale": _where(T > 0, beta, 1.0, like=T)}
 
 
 def adam_coefficients(R: Scalar, T: Scalar, *, alpha: float, beta: float) -> dict[str, Scalar]:
     """ONNX: ``{"step_size": R * sqrt(1 - beta**T) / (1 - alpha**T) if T > 0 else R}``."""
+    T = _step(T)
     return {"step_size": _where(T > 0, _div(R * _sqrt(1 - beta**T), 1 - alpha**T), R, like=T)}
 
 
 def dml_adam_coefficients(learning_rate: Scalar, T: Scalar, *, beta1: float, beta2: float) -> dict[str, Scalar]:
     """DirectML: ``{"step_size": LearningRate * sqrt(1 - Beta2**T) / (1 - Beta1**T)}`` (NaN at T = 0)."""
+    T = _step(T)
     return {"step_size": _div(learning_rate * _sqrt(1 - beta2**T), 1 - beta1**T)}
 
 

@@ -7,13 +7,19 @@ order.  ONNX Runtime implements none of these three operators (they exist
 only in the ONNX spec and in ``onnx.reference``), so this module makes
 ``dml-optim`` a working, device-capable implementation of them.
 
-Attributes follow the spec (DESIGN.md §2):
+Attributes and their defaults are the operator schemas' (``onnx/defs/training/defs.cc``):
 
-* ``Adagrad``: ``decay_factor=0``, ``epsilon=0``, ``norm_coefficient=0``.
+* ``Adagrad``: ``decay_factor=0``, ``epsilon=1e-6``, ``norm_coefficient=0``.
+  (DESIGN.md §2 lists ``epsilon=0``; the schema, and so ``onnx.reference``,
+  default it to ``1e-6``.  A node is run as the schema says.)
 * ``Momentum``: ``alpha``, ``beta``, ``mode`` (``"standard"`` or
   ``"nesterov"``), ``norm_coefficient``; all required.
 * ``Adam``: ``alpha=0.9``, ``beta=0.999``, ``epsilon=1e-6``,
   ``norm_coefficient=0``, ``norm_coefficient_post=0``.
+
+Attributes are FLOAT (float32) in ONNX, defaults included, so every numeric
+attribute reaches :mod:`dml_optim.functional` as its float32 value (``0.9`` is
+``0.8999999761581421``), whether the node sets it or not.
 
 .. warning:: ONNX ``Adam`` adds ``epsilon`` to the *uncorrected*
    ``sqrt(H_new)``; ``torch.optim.Adam`` adds it to the bias-corrected one.
@@ -39,12 +45,18 @@ DOMAIN = "ai.onnx.preview.training"
 
 _REQUIRED = object()  # marker: the attribute has no default
 
+
+def _float32(value: float) -> float:
+    """The value an ONNX FLOAT attribute holds for ``value``."""
+    return float(np.float32(value))
+
+
 # op type -> (function, names of the input groups after R and T, attributes with their defaults)
 _OPS: dict[str, tuple[Any, tuple[str, ...], dict[str, object]]] = {
     "Adagrad": (
         functional.adagrad,
         ("X", "G", "H"),
-        {"decay_factor": 0.0, "epsilon": 0.0, "norm_coefficient": 0.0},
+        {"decay_factor": 0.0, "epsilon": _float32(1e-6), "norm_coefficient": 0.0},
     ),
     "Momentum": (
         functional.momentum,
@@ -54,7 +66,13 @@ _OPS: dict[str, tuple[Any, tuple[str, ...], dict[str, object]]] = {
     "Adam": (
         functional.adam,
         ("X", "G", "V", "H"),
-        {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-6, "norm_coefficient": 0.0, "norm_coefficient_post": 0.0},
+        {
+            "alpha": _float32(0.9),
+            "beta": _float32(0.999),
+            "epsilon": _float32(1e-6),
+            "norm_coefficient": 0.0,
+            "norm_coefficient_post": 0.0,
+        },
     ),
 }
 
@@ -67,7 +85,7 @@ _STRING_ATTRIBUTES = frozenset({"mode"})
 def _import_onnx():
     try:
         import onnx
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    except ImportError as exc:
         raise ImportError(
             "dml_optim.onnx needs the 'onnx' package: pip install dml-optim[onnx]"
         ) from exc
@@ -97,7 +115,10 @@ def _attributes(onnx, node, op_type: str, defaults: dict[str, object]) -> dict[s
             )
         value = onnx.helper.get_attribute_value(attr)
         if isinstance(value, bytes):
-            value = value.decode("utf-8")
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{op_type}: attribute {name!r} is not valid UTF-8: {value!r}") from None
         given[name] = value
     merged = {}
     for name, default in defaults.items():
