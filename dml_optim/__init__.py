@@ -9,7 +9,8 @@ with a handful of DirectML-native ops per step.
 __version__ = "0.1.0"
 
 from dml_optim import functional
+from dml_optim.amp import DynamicLossScaler
 from dml_optim.dml.device import device
 from dml_optim.optimizers import Adagrad, Adam, DmlAdam, FlatOptimizer, Momentum
 
-__all__ = ["Adam", "Adagrad", "Momentum", "DmlAdam", "FlatOptimizer", "functional", "device", "__version__"]
+__all__ = ["Adam", "Adagrad", "Momentum", "DmlAdam", "FlatOptimizer", "DynamicLossScaler", "functional", "device", "__version__"]

@@ -1,5 +1,330 @@
-"""Loss scaling on the device (placeholder until issue 6 lands)."""
+"""Dynamic loss scaling on the device: no host sync, no CPU fallback.
+
+FP16 gradients underflow: every ``|g|`` below 2**-24 ≈ 5.96e-8 becomes 0.
+Loss scaling multiplies the loss (hence every gradient) by a large factor
+``S`` before ``backward()`` and divides the gradients by ``S`` before the
+update; ``S`` is adapted so that gradients use FP16's range without
+overflowing.  Two ways to use it with ``dml_optim`` optimizers:
+
+* :class:`DynamicLossScaler` (the fully DirectML-native path)::
+
+      scaler = DynamicLossScaler()
+      for x, y in data:
+          opt.zero_grad()
+          scaler.scale(loss_fn(model(x), y)).backward()
+          scaler.step(opt)      # unscale + inf/NaN check + gated step, on the device
+          scaler.update()       # growth/backoff rule, on the device
+
+* ``torch.amp.GradScaler``, unchanged: our optimizers set
+  ``_step_supports_amp_scaling = True`` and accept ``step(grad_scaler=...)``,
+  so ``scaler.step(opt)`` hands the step to :func:`step_with_grad_scaler`,
+  which unscales and checks on the device instead of calling
+  ``torch._amp_foreach_non_finite_check_and_unscale_`` (a CPU fallback on
+  DirectML).  torch emits a ``FutureWarning`` about this protocol on every
+  ``scaler.step``.  **Caveat:** ``GradScaler.update()`` itself still calls
+  ``torch._amp_update_scale_``, which is a CPU fallback on DirectML; only
+  :class:`DynamicLossScaler` keeps the whole loop on the device.
+
+In both cases the skip is exact: on overflow, parameters, optimizer states
+and step counters stay bit-for-bit as they were
+(:meth:`dml_optim.FlatOptimizer.step_scaled`).
+
+Scale rule (``torch._amp_update_scale_``'s, computed here with ``gt``,
+``ge``, ``lt``, ``add``, ``mul`` and ``where``, all DirectML-native)::
+
+    if found_inf:   scale *= backoff_factor;  tracker = 0
+    else:           tracker += 1
+                    if tracker == growth_interval:
+                        if isfinite(scale * growth_factor): scale *= growth_factor
+                        tracker = 0
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["DynamicLossScaler", "step_with_grad_scaler"]
+
+_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
-def step_with_grad_scaler(opt, grad_scaler, closure=None):
-    raise NotImplementedError("torch.amp.GradScaler support is not implemented yet")
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _check_args(init_scale, growth_factor, backoff_factor, growth_interval) -> tuple[float, float, float, int]:
+    init_scale = _real("init_scale", init_scale)
+    if init_scale <= 0:
+        raise ValueError(f"init_scale must be > 0, got {init_scale!r}")
+    growth_factor = _real("growth_factor", growth_factor)
+    if growth_factor <= 1.0:
+        raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+    backoff_factor = _real("backoff_factor", backoff_factor)
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral):
+        raise TypeError(f"growth_interval must be an int, got {growth_interval!r} ({type(growth_interval).__name__})")
+    if growth_interval < 1:
+        raise ValueError(f"growth_interval must be >= 1, got {growth_interval!r}")
+    return init_scale, growth_factor, backoff_factor, int(growth_interval)
+
+
+class DynamicLossScaler:
+    """A loss scaler whose whole loop runs on the device (no host sync).
+
+    Arguments and their meaning are ``torch.amp.GradScaler``'s:
+
+    Args:
+        init_scale: initial scale ``S`` (> 0; default ``2**16``).
+        growth_factor: ``S`` is multiplied by it after ``growth_interval``
+            consecutive steps without inf/NaN gradients (> 1).
+        backoff_factor: ``S`` is multiplied by it after a step with inf/NaN
+            gradients, which is skipped (in (0, 1)).
+        growth_interval: number of clean steps before growing (>= 1).
+        device: where ``S`` lives; by default the device of the first loss
+            passed to :meth:`scale`.
+
+    Per iteration: :meth:`scale` the loss, ``backward()``, :meth:`step` each
+    optimizer (a ``dml_optim`` optimizer: it needs ``step_scaled``), then
+    :meth:`update` once.  Only :meth:`get_scale` and :meth:`state_dict` read a
+    value back to the host (a sync); everything else is queued on the device.
+    ``state_dict()`` has ``torch.amp.GradScaler``'s layout, so checkpoints
+    move between the two.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        device: torch.device | str | None = None,
+    ):
+        init_scale, growth_factor, backoff_factor, growth_interval = _check_args(
+            init_scale, growth_factor, backoff_factor, growth_interval)
+        self._init_scale = init_scale
+        self._init_tracker = 0
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._inv_scale: torch.Tensor | None = None
+        self._found_inf: torch.Tensor | None = None
+        self._stepped: set[int] = set()
+        self._unscaled: dict[int, torch.Tensor] = {}
+        if device is not None:
+            self._lazy_init(torch.device(device))
+
+    # -- device state ------------------------------------------------------------
+
+    def _lazy_init(self, device: torch.device) -> None:
+        f32 = dict(dtype=torch.float32, device=device)
+        self._scale = torch.full((), self._init_scale, **f32)
+        self._growth_tracker = torch.full((), self._init_tracker, dtype=torch.int32, device=device)
+        self._inv_scale = torch.reciprocal(self._scale)
+        # constants of the update rule, made once (where.self needs tensor operands)
+        self._zero_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self._factors = {
+            "one": torch.ones((), **f32),
+            "growth": torch.full((), self._growth_factor, **f32),
+            "backoff": torch.full((), self._backoff_factor, **f32),
+        }
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device the scale lives on (None until the first :meth:`scale`)."""
+        return None if self._scale is None else self._scale.device
+
+    # -- the loop ------------------------------------------------------------------
+
+    def scale(self, outputs):
+        """``outputs * S`` for a tensor, or for each tensor of a list/tuple."""
+        if isinstance(outputs, torch.Tensor):
+            if self._scale is None:
+                self._lazy_init(outputs.device)
+            return outputs * self._scale.to(outputs.device)
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise TypeError(f"scale: outputs must be a Tensor or a list/tuple of Tensors, got {type(outputs).__name__}")
+
+    def step(self, optimizer) -> torch.Tensor:
+        """Unscale, check and step ``optimizer`` on the device; returns ``found_inf``.
+
+        ``found_inf`` is a 0-d float32 device tensor (1.0: the step was skipped
+        because a gradient was inf/NaN, 0.0: it was taken); reading it is a
+        host sync, so the training loop normally doesn't.
+        """
+        step_scaled = getattr(optimizer, "step_scaled", None)
+        if step_scaled is None:
+            raise TypeError(
+                f"DynamicLossScaler.step: optimizer must be a dml_optim optimizer (it calls step_scaled), "
+                f"got {type(optimizer).__name__}; use torch.amp.GradScaler for other optimizers"
+            )
+        if self._scale is None:
+            raise RuntimeError("DynamicLossScaler.step() was called before scale(loss): the gradients are not scaled")
+        if id(optimizer) in self._stepped:
+            raise RuntimeError("DynamicLossScaler.step() was already called for this optimizer since the last update()")
+        unscaled = self._unscaled.pop(id(optimizer), None)
+        if unscaled is None:
+            found_inf = step_scaled(self._inv_scale)
+        else:  # unscale_() ran first: the gradients are already unscaled and checked
+            found_inf = step_scaled(self._factors["one"], found_inf=unscaled)
+        found_inf = found_inf.to(self._scale.device)
+        self._found_inf = found_inf if self._found_inf is None else self._found_inf + found_inf
+        self._stepped.add(id(optimizer))
+        return found_inf
+
+    def unscale_(self, optimizer) -> torch.Tensor:
+        """Unscale ``optimizer``'s gradients in place now (e.g. to clip them), on the device.
+
+        Returns ``found_inf`` like :meth:`step`; the following :meth:`step` then
+        neither unscales nor checks again.  At most once per optimizer per
+        iteration.
+        """
+        unscale = getattr(optimizer, "unscale_", None)
+        if unscale is None or getattr(optimizer, "step_scaled", None) is None:
+            raise TypeError(
+                f"DynamicLossScaler.unscale_: optimizer must be a dml_optim optimizer, got {type(optimizer).__name__}"
+            )
+        if self._scale is None:
+            raise RuntimeError("DynamicLossScaler.unscale_() was called before scale(loss): the gradients are not scaled")
+        if id(optimizer) in self._unscaled or id(optimizer) in self._stepped:
+            raise RuntimeError("DynamicLossScaler.unscale_() was already called (or step()) for this optimizer since the last update()")
+        found_inf = unscale(self._inv_scale)
+        self._unscaled[id(optimizer)] = found_inf
+        return found_inf
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Apply the growth/backoff rule (on the device), or set ``new_scale``."""
+        if self._scale is None:
+            raise RuntimeError("DynamicLossScaler.update() was called before scale(loss)")
+        if new_scale is not None:
+            self._set_scale(new_scale)
+        else:
+            if self._found_inf is None:
+                raise RuntimeError("DynamicLossScaler.update() was called before any step(optimizer) since the last update()")
+            self._apply_rule(self._found_inf)
+        torch.reciprocal(self._scale, out=self._inv_scale)
+        self._found_inf = None
+        self._stepped.clear()
+        self._unscaled.clear()
+
+    def _set_scale(self, new_scale) -> None:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1:
+                raise ValueError(f"update: new_scale must be a 1-element tensor, got shape {tuple(new_scale.shape)}")
+            self._scale.copy_(new_scale.reshape(()))
+            return
+        value = _real("new_scale", new_scale)
+        if value <= 0:
+            raise ValueError(f"update: new_scale must be > 0, got {value!r}")
+        self._scale.fill_(value)
+
+    def _apply_rule(self, found_inf: torch.Tensor) -> None:
+        """``torch._amp_update_scale_``'s rule with native ops (gt, add, ge, where, mul, lt, copy_)."""
+        c = self._factors
+        found = found_inf > 0
+        tracker = torch.where(found, self._zero_tracker, self._growth_tracker + 1)
+        grow = tracker >= self._growth_interval
+        tracker = torch.where(grow, self._zero_tracker, tracker)
+        factor = torch.where(found, c["backoff"], torch.where(grow, c["growth"], c["one"]))
+        new_scale = self._scale * factor
+        self._scale.copy_(torch.where(new_scale < math.inf, new_scale, self._scale))
+        self._growth_tracker.copy_(tracker)
+
+    # -- inspection and checkpoints -------------------------------------------------
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float.  **Host sync** (reads the device)."""
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.amp.GradScaler``'s layout. **Host sync** (reads scale and tracker)."""
+        tracker = self._init_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": tracker,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class or of ``torch.amp.GradScaler`` (validated first)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise KeyError(f"load_state_dict: missing keys {missing}")
+        scale, growth, backoff, interval = _check_args(
+            state_dict["scale"], state_dict["growth_factor"], state_dict["backoff_factor"], state_dict["growth_interval"])
+        tracker = state_dict["_growth_tracker"]
+        if isinstance(tracker, bool) or not isinstance(tracker, numbers.Integral) or tracker < 0:
+            raise ValueError(f"load_state_dict: _growth_tracker must be an int >= 0, got {tracker!r}")
+        self._init_scale, self._init_tracker = scale, int(tracker)
+        self._growth_factor, self._backoff_factor, self._growth_interval = growth, backoff, interval
+        if self._scale is not None:
+            self._lazy_init(self._scale.device)
+
+
+def _stage_name(state: dict[str, Any]) -> str:
+    stage = state.get("stage")
+    return getattr(stage, "name", str(stage))
+
+
+def step_with_grad_scaler(opt, grad_scaler, closure: Callable[[], Any] | None = None):
+    """``opt.step(grad_scaler=scaler)``: the ``torch.amp.GradScaler`` protocol.
+
+    ``GradScaler.step(opt)`` calls this (through ``FlatOptimizer.step``)
+    instead of unscaling with its CPU-fallback helpers.  Two cases, by the
+    scaler's per-optimizer stage:
+
+    * ``READY`` (the usual loop): the gradients are multiplied by ``1/S``,
+      checked and the step gated, all by :meth:`FlatOptimizer.step_scaled`
+      on the device; the resulting ``found_inf`` is stored in
+      ``scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]``,
+      which is what ``scaler.update()`` reads.
+    * ``UNSCALED`` (the user called ``scaler.unscale_(opt)`` first, e.g. to
+      clip): the gradients are already unscaled and ``found_inf_per_device``
+      is filled; they are combined and the step is gated by them (no second
+      unscale).
+
+    ``GradScaler`` then marks the optimizer ``STEPPED``.  ``closure`` (passed
+    positionally: GradScaler refuses a ``closure=`` keyword) is called first,
+    with grad enabled, and its value returned.
+    """
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    state = grad_scaler._per_optimizer_states[id(opt)]
+    scale = grad_scaler._get_scale_async()
+    if scale is None:
+        raise RuntimeError("GradScaler.step: the scaler has no scale yet; call scaler.scale(loss) first")
+    stage = _stage_name(state)
+    if stage == "READY":
+        # GradScaler.unscale_ takes the reciprocal in float64; DirectML has no float64 kernels, and the
+        # float32 reciprocal is correctly rounded (exact for the power-of-two scales the rule produces)
+        found_inf = opt.step_scaled(torch.reciprocal(scale.float()))
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+    elif stage == "UNSCALED":
+        found = list(state["found_inf_per_device"].values())
+        if not found:
+            raise RuntimeError("GradScaler.step: unscale_() recorded no inf checks for this optimizer")
+        combined = found[0].to(scale.device)
+        for f in found[1:]:
+            combined = combined + f.to(scale.device)
+        opt.step_scaled(torch.ones((), dtype=torch.float32, device=scale.device), found_inf=combined)
+    else:
+        raise RuntimeError(f"GradScaler.step: unexpected optimizer stage {stage}; call scaler.update() after each step")
+    return loss

@@ -23,7 +23,8 @@ moved to its device; the optimizer keeps its own precision and runtime options
 ``nonfinite``): the saved ones are checked but not applied.  A
 ``master_param`` entry loads into an optimizer with master weights and is
 ignored by one without (its parameters come from the model's own state dict).
-``step`` may be a tensor or a number: a whole number in ``[0, 2**53]``.
+``step`` may be a tensor or a number: a whole number in ``[0, 2**53]`` (for
+``DmlAdam``, at most ``2**32 - 1``: its ``T`` is a UINT32).
 
 Atomicity: everything is checked, and every incoming tensor converted into
 new buffers, before the first write, so a bad state dict (or a failed
@@ -88,6 +89,8 @@ def _check_top(opt, state_dict) -> int:
         _fail(f"format_version {version!r} is not one this dml_optim reads (0..{STATE_DICT_FORMAT_VERSION})")
     saved_by = meta.get("optimizer")
     if saved_by is not None:
+        if not isinstance(saved_by, str):
+            _fail(f"'dml_optim'['optimizer'] must be a class name, got {saved_by!r}", TypeError)
         names = {cls.__name__ for cls in type(opt).__mro__}
         if saved_by not in names:
             _fail(f"the state dict was saved by optimizer {saved_by!r}, this optimizer is {type(opt).__name__!r}")
@@ -119,6 +122,9 @@ def _check_groups(opt, saved_groups, version: int):
         candidate = dict(group, **updates)
         for key in opt._options:  # the optimizer keeps its own precision and runtime options
             candidate[key] = group[key]
+        for key, value in candidate.items():  # Python ints reach the kernels as floats (2**70 overflows int64)
+            if key not in opt._options and isinstance(value, int) and not isinstance(value, bool):
+                candidate[key] = float(value)
         try:
             opt._check_hyperparameters(candidate)
             opt._check_options(candidate)
@@ -180,6 +186,7 @@ def _check_state(opt, saved_state, index_of, version: int) -> dict[tuple[int, in
     names = set(opt.state_names)
     allowed = names | {"step", "master_param"}
     step_optional = version == 0 and opt.state_names == ("momentum_buffer",)  # torch.optim.SGD keeps no step
+    max_step = _max_step(opt)
     incoming: dict[tuple[int, int], dict[str, Any]] = {}
     for pid, entry in saved_state.items():
         if not isinstance(pid, (int, str)) or isinstance(pid, bool) or pid not in index_of:
@@ -197,10 +204,21 @@ def _check_state(opt, saved_state, index_of, version: int) -> dict[tuple[int, in
         if missing:
             _fail(f"{where} is missing keys {sorted(missing)}", KeyError)
         step = _check_step(entry["step"], where) if "step" in entry else 1
+        if step > max_step:
+            _fail(f"{where}['step'] = {step} is beyond what {type(opt).__name__} can have reached (max {max_step})")
         for key in sorted((names | {"master_param"}) & set(entry)):
             _check_state_tensor(entry[key], f"{where}[{key!r}]", p)
         incoming[(gi, pi)] = dict(entry, step=step)
     return incoming
+
+
+def _max_step(opt) -> int:
+    """The largest completed-step count ``opt`` can hold (DmlAdam: T = step + 1 is a UINT32)."""
+    from dml_optim.optimizers.dml_adam import UINT32_MAX, DmlAdam
+
+    if isinstance(opt, DmlAdam):
+        return UINT32_MAX - opt.step_offset + 1
+    return MAX_STEP
 
 
 def _check_step(step, where: str) -> int:

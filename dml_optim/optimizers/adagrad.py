@@ -32,7 +32,7 @@ class Adagrad(FlatOptimizer):
 
     state_names = ("sum",)
     step_offset = 0
-    skip_identity = {"rate": 0.0, "norm_coefficient": 0.0}
+    skip_identity = {"epsilon": 1.0, "rate": 0.0, "norm_coefficient": 0.0}
 
     def __init__(
         self,

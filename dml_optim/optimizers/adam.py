@@ -50,7 +50,7 @@ class Adam(FlatOptimizer):
 
     state_names = ("exp_avg", "exp_avg_sq")
     step_offset = 1
-    skip_identity = {"step_size": 0.0, "alpha": 1.0, "beta": 1.0, "norm_coefficient": 0.0, "norm_coefficient_post": 0.0}
+    skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0, "norm_coefficient": 0.0, "norm_coefficient_post": 0.0}
 
     def __init__(
         self,

@@ -325,18 +325,37 @@ class FlatOptimizer(Optimizer):
         work = self._prepare()
         if not work:
             return torch.zeros((), dtype=torch.float32, device=inv_scale.device)
-        for _, flat, _ in work:
-            flat.grad.mul_(inv_scale.to(flat.device))
         if found_inf is None:
-            finite = None
-            for _, flat, _ in work:
-                ok = self._finite(flat)
-                finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
+            finite = self._unscale(work, inv_scale)
         else:
+            for _, flat, _ in work:
+                flat.grad.mul_(inv_scale.to(flat.device))
             finite = found_inf == 0
         updates = [u for group, flat, has_grad in work for u in self._plan_updates(group, flat, has_grad, finite.to(flat.device))]
         self._commit(work, updates)
         return finite.logical_not().float()
+
+    @torch.no_grad()
+    def unscale_(self, inv_scale: torch.Tensor) -> torch.Tensor:
+        """Multiply every gradient by ``inv_scale``; return ``found_inf`` (0-d float32).
+
+        For gradient clipping between unscaling and stepping: afterwards call
+        ``step_scaled(ones, found_inf=found_inf)``.  No host sync; parameters
+        and states are not touched.
+        """
+        work = self._prepare()
+        if not work:
+            return torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+        return self._unscale(work, inv_scale).logical_not().float()
+
+    def _unscale(self, work, inv_scale: torch.Tensor) -> torch.Tensor:
+        """Unscale the gradients of ``work``; 0-d bool: all of them are finite."""
+        finite = None
+        for _, flat, _ in work:
+            flat.grad.mul_(inv_scale.to(flat.device))
+            ok = self._finite(flat)
+            finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
+        return finite
 
     def _prepare(self) -> list[tuple[dict, FlatBuffer, list[bool]]]:
         """Validate every group, then gather gradients and allocate states.

@@ -1,0 +1,140 @@
+"""``dml_optim.precision.compare`` and ``dml-optim compare`` (issue 6).
+
+The metrics themselves are checked on constructed cases in
+``tests/test_precision.py``; here: the report has every metric for every
+configuration and stream, the findings follow from the numbers, and the
+command writes report.md, report.json and a PNG with one line per
+configuration and stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dml_optim import precision as P
+from dml_optim.cli import main
+
+
+@pytest.fixture(scope="module")
+def dml_adam_report():
+    return P.compare("dml-adam", steps=6, seed=1, progress=False)
+
+
+def test_compare_has_every_metric_for_every_configuration(dml_adam_report):
+    rep = dml_adam_report
+    pairs = {(r.config, r.stream) for r in rep.results}
+    assert pairs == {(c, s) for c in ("fp32", "fp16", "fp16-fp32compute", "fp16-master") for s in ("recorded", "synthetic")}
+    for r in rep.results:
+        assert set(r.metrics) == set(P.METRICS)
+        assert len(r.curve) == 6
+    assert {s["config"] for s in rep.skipped} == {"bf16"}
+    recorded = {r.config: r.metrics for r in rep.results if r.stream == "recorded"}
+    assert recorded["fp16"]["first_nonfinite_step"] == 1  # epsilon 1e-8 is 0 in FP16
+    assert recorded["fp32"]["final_loss"] is not None and math.isfinite(recorded["fp32"]["final_loss"])
+    assert any("epsilon 1e-08 is 0 in FP16" in f for f in rep.findings)
+    assert any(f.startswith("`bf16` skipped") for f in rep.findings)
+
+
+def test_synthetic_stream_spans_1e_8_to_1e2():
+    init = torch.zeros(20000)
+    s = P.synthetic_stream(init, [(20000,)], 2, seed=0)
+    g = s.grad(1).abs()
+    assert g.min() >= 1e-8 * (1 - 1e-6) and g.max() <= 1e2 * (1 + 1e-6)
+    assert g.min() < 1e-7 and g.max() > 10  # the whole range is used
+    assert torch.equal(s.grad(2), P.synthetic_stream(init, [(20000,)], 2, seed=0).grad(2))  # deterministic
+
+
+def test_compare_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="optimizer"):
+        P.compare("sgd", steps=1, progress=False)
+    with pytest.raises(ValueError, match="steps"):
+        P.compare("adam", steps=0, progress=False)
+    with pytest.raises(ValueError, match="recorded"):
+        P.compare("adam", steps=1, workload="tiny-mlp", streams=["recorded"], progress=False)
+
+
+def test_compare_command_writes_report_json_and_png(tmp_path, capsys):
+    mpimg = pytest.importorskip("matplotlib.image", reason="the PNG check needs matplotlib (the plot extra)")
+    assert main(["compare", "--steps", "4", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "fp16-master" in out and "findings:" in out
+    for name in ("report.md", "report.json", "divergence.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    image = mpimg.imread(tmp_path / "divergence.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    doc = json.loads((tmp_path / "report.json").read_text())
+    n_configs, n_streams = len(doc["configs"]), len(doc["streams"])
+    assert (n_configs, n_streams) == (5, 2)
+    assert doc["plot"]["lines"] == n_configs * n_streams
+    assert len(doc["results"]) == n_configs * n_streams
+    for r in doc["results"]:
+        assert set(r["metrics"]) == set(P.METRICS)
+    assert "![relative error per step](divergence.png)" in (tmp_path / "report.md").read_text()
+
+
+def test_compare_command_on_an_inventory(tmp_path):
+    assert main(["compare", "--workload", "tiny-mlp", "--optimizer", "momentum", "--steps", "2",
+                 "--configs", "fp32,fp16", "--out", str(tmp_path), "--no-progress"]) == 0
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert [s["name"] for s in doc["streams"]] == ["gaussian", "synthetic"]
+    assert doc["plot"]["lines"] == 4
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--steps", "0"], "--steps"),
+    (["--workload", "no-such-model"], "--workload"),
+    (["--configs", "fp8"], "--configs"),
+    (["--optimizer", "momentum", "--epsilon", "1e-4"], "--epsilon"),
+    (["--workload", "tiny-mlp", "--streams", "recorded"], "--streams"),
+])
+def test_compare_command_usage_errors(argv, flag, capsys, tmp_path):
+    assert main(["compare", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0]
+
+
+def test_findings_follow_the_numbers():
+    rep = P.compare("adam", steps=5, seed=2, configs=["fp16", "fp16-master"], streams=["synthetic"], progress=False)
+    m = {r.config: r.metrics for r in rep.results}
+    # FP16 state: (1 - beta) g^2 flushes for |g| < 5.5e-3 (about half of the log-uniform 1e-8..1e2 range);
+    # FP32 state (fp16-master): zeros only where the gradient itself underflowed in FP16 storage
+    assert m["fp16"]["flushed_second_moment_fraction"] > 0.4
+    assert 0 < m["fp16-master"]["flushed_second_moment_fraction"] < 0.05
+    flushed = [f for f in rep.findings if "flushed to zero" in f]
+    assert len(flushed) == 1 and flushed[0].startswith("`fp16` (synthetic stream)")
+    master = [f for f in rep.findings if f.startswith("`fp16-master`") and "second-moment" in f]
+    assert len(master) == 1 and "became 0 when stored in FP16" in master[0]
+    assert f"{100 * m['fp16']['flushed_second_moment_fraction']:.3g}%" in flushed[0]
+    assert "every |g| below 0.0055" in flushed[0]  # sqrt(2**-25 / (1 - 0.999))
+    lost = [f for f in rep.findings if "lost to rounding" in f]
+    assert [f.split(" ")[0] for f in lost] == (["`fp16`"] if m["fp16"]["lost_update_fraction"] >= 0.01 else [])
+
+
+def test_report_json_is_strict_json_with_nan_as_strings(tmp_path):
+    assert main(["compare", "--optimizer", "dml-adam", "--steps", "2", "--configs", "fp16",
+                 "--streams", "synthetic", "--out", str(tmp_path), "--no-progress"]) == 0
+
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    doc = json.loads((tmp_path / "report.json").read_text(), parse_constant=refuse)
+    metrics = doc["results"][0]["metrics"]
+    assert metrics["first_nonfinite_step"] == 1 and metrics["max_rel_error"] == "inf"
+    assert doc["results"][0]["rel_error_per_step"] == ["nan", "nan"]
+
+
+def test_compare_command_without_matplotlib_writes_md_and_json(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import now raises ImportError
+    assert main(["compare", "--steps", "2", "--configs", "fp32", "--streams", "synthetic",
+                 "--out", str(tmp_path), "--no-progress"]) == 0
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.json").exists()
+    assert not (tmp_path / "divergence.png").exists()
+    assert "pip install 'dml-optim[plot]'" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["plot"] is None and any("dml-optim[plot]" in n for n in doc["notes"])

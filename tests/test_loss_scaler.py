@@ -1,0 +1,363 @@
+"""Loss scaling on the device: DynamicLossScaler and the torch.amp.GradScaler protocol (issue 6).
+
+The growth/backoff rule is checked against a literal re-statement of
+``torch._amp_update_scale_``'s rule (``_simulate``), the skip against runs
+that never saw the overflow step, and the GradScaler path against
+DynamicLossScaler step by step.  Scales are powers of two, so scaling and
+unscaling are exact and runs can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import dml_optim
+from dml_optim.amp import DynamicLossScaler, step_with_grad_scaler
+
+GRADSCALER_WARNING = "ignore:GradScaler is going to stop passing itself:FutureWarning"
+needs_cpu_gradscaler = pytest.mark.skipif(
+    not hasattr(torch.amp, "GradScaler"), reason="torch.amp.GradScaler (with device 'cpu') needs torch >= 2.3"
+)
+
+OPTIMIZERS = {
+    "adam": lambda ps: dml_optim.Adam(ps, lr=1e-2),
+    "dml-adam": lambda ps: dml_optim.DmlAdam(ps, lr=1e-2, epsilon=1e-4),
+    "adagrad": lambda ps: dml_optim.Adagrad(ps, lr=1e-2),
+    "momentum": lambda ps: dml_optim.Momentum(ps, lr=1e-2, alpha=0.9),
+}
+
+
+def _simulate(flags, init, growth, backoff, interval):
+    """``torch._amp_update_scale_``'s rule, by hand, in float32 like the device tensor."""
+    scale, tracker, out = np.float32(init), 0, []
+    for found in flags:
+        if found:
+            scale, tracker = np.float32(scale * np.float32(backoff)), 0
+        else:
+            tracker += 1
+            if tracker == interval:
+                with np.errstate(over="ignore"):
+                    grown = np.float32(scale * np.float32(growth))
+                if np.isfinite(grown):
+                    scale = grown
+                tracker = 0
+        out.append((float(scale), tracker))
+    return out
+
+
+def _problem(dtype=torch.float32, name="adam", n=(6, 3)):
+    gen = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(k, generator=gen).to(dtype)) for k in n]
+    xs = [[torch.randn(k, generator=gen).to(dtype) for k in n] for _ in range(12)]
+    return params, OPTIMIZERS[name](params), xs
+
+
+def _loss(params, x, overflow=False):
+    loss = sum((p * xi).sum() for p, xi in zip(params, x))
+    return loss * math.inf if overflow else loss
+
+
+def _snapshot(opt):
+    flat = opt._flats[0][0]
+    steps = flat.device_steps.clone() if flat.device_steps is not None else torch.tensor(flat.steps)
+    return [flat.data.clone(), steps] + [s.clone() for s in flat.states.values()]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.view(torch.uint8) if x.is_floating_point() else x, y.view(torch.uint8) if y.is_floating_point() else y)
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(init_scale=0.0), ValueError, "init_scale"),
+    (dict(init_scale=math.inf), ValueError, "init_scale"),
+    (dict(init_scale="big"), TypeError, "init_scale"),
+    (dict(growth_factor=1.0), ValueError, "growth_factor"),
+    (dict(backoff_factor=1.0), ValueError, "backoff_factor"),
+    (dict(backoff_factor=0.0), ValueError, "backoff_factor"),
+    (dict(growth_interval=0), ValueError, "growth_interval"),
+    (dict(growth_interval=2.5), TypeError, "growth_interval"),
+    (dict(growth_interval=True), TypeError, "growth_interval"),
+])
+def test_bad_arguments_are_named(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        DynamicLossScaler(**kwargs)
+
+
+def test_protocol_errors():
+    params, opt, xs = _problem()
+    scaler = DynamicLossScaler()
+    with pytest.raises(RuntimeError, match="before scale"):
+        scaler.step(opt)
+    with pytest.raises(TypeError, match="dml_optim optimizer"):
+        scaler.step(torch.optim.SGD(params, lr=0.1))
+    scaler.scale(_loss(params, xs[0])).backward()
+    with pytest.raises(RuntimeError, match="before any step"):
+        scaler.update()
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="already called"):
+        scaler.step(opt)
+    scaler.update()
+
+
+# -- skipping ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_overflow_step_is_skipped_bit_exactly(name, dtype):
+    overflow_at = 3
+    runs = {}
+    for with_overflow in (True, False):
+        params, opt, xs = _problem(dtype, name)
+        scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=1000)
+        snaps, found = [], []
+        for i, x in enumerate(xs[:6]):
+            if i == overflow_at and not with_overflow:
+                continue
+            opt.zero_grad()
+            scaler.scale(_loss(params, x, overflow=with_overflow and i == overflow_at)).backward()
+            found.append(float(scaler.step(opt)))
+            if with_overflow and i == overflow_at:
+                assert scaler.get_scale() == 2.0**8
+                _same(_snapshot(opt), snaps[-1])  # params, step counters, states: untouched
+            scaler.update(new_scale=2.0**8)  # same scale in both runs, so the clean steps match
+            snaps.append(_snapshot(opt))
+        runs[with_overflow] = (snaps, found)
+    (with_snaps, with_found), (without_snaps, without_found) = runs[True], runs[False]
+    assert with_found == [0, 0, 0, 1, 0, 0] and without_found == [0] * 5
+    del with_snaps[overflow_at]
+    for a, b in zip(with_snaps, without_snaps):  # the skipped step changed nothing at all
+        _same(a, b)
+    assert torch.isfinite(with_snaps[-1][0].float()).all()
+
+
+def test_skipped_first_fp16_step_with_default_dml_adam_epsilon_keeps_params():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = dml_optim.DmlAdam([p])  # epsilon 1e-8: 0 in FP16 arithmetic
+    scaler = DynamicLossScaler()
+    scaler.scale((p * math.inf).sum()).backward()  # the very first step overflows
+    assert float(scaler.step(opt)) == 1.0
+    assert torch.equal(p.detach(), torch.ones(4, dtype=torch.float16))
+
+
+def test_found_inf_counts_every_optimizer_of_the_iteration():
+    params, opt, xs = _problem()
+    params2 = [torch.nn.Parameter(torch.ones(4))]
+    opt2 = dml_optim.Adam(params2)
+    scaler = DynamicLossScaler(init_scale=4.0)
+    loss = _loss(params, xs[0]) + (params2[0] * math.inf).sum()
+    scaler.scale(loss).backward()
+    assert float(scaler.step(opt)) == 0.0
+    assert float(scaler.step(opt2)) == 1.0
+    scaler.update()
+    assert scaler.get_scale() == 2.0  # one overflow in the iteration: back off once
+    assert torch.equal(params2[0].detach(), torch.ones(4))
+
+
+# -- the growth/backoff rule -------------------------------------------------------------
+
+
+def test_scale_follows_the_growth_backoff_rule():
+    flags = [0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0]
+    init, growth, backoff, interval = 2.0**10, 4.0, 0.25, 3
+    expected = _simulate(flags, init, growth, backoff, interval)
+    params, opt, xs = _problem()
+    scaler = DynamicLossScaler(init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=interval)
+    for i, flag in enumerate(flags):
+        opt.zero_grad()
+        scaler.scale(_loss(params, xs[i % len(xs)], overflow=bool(flag))).backward()
+        scaler.step(opt)
+        scaler.update()
+        state = scaler.state_dict()
+        assert (state["scale"], state["_growth_tracker"]) == expected[i], f"after step {i}"
+    assert [s for s, _ in expected][:7] == [init, init, init * 4, init, init, init, init / 4]  # the rule, spelled out
+
+
+def test_growth_never_reaches_inf():
+    scaler = DynamicLossScaler(init_scale=2.0**127, growth_interval=1)
+    params, opt, xs = _problem()
+    scaler.scale(_loss(params, xs[0])).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**127  # 2**128 is inf in float32: the scale is kept
+    assert _simulate([0], 2.0**127, 2.0, 0.5, 1) == [(2.0**127, 0)]
+
+
+def test_state_dict_round_trip_and_update_new_scale():
+    scaler = DynamicLossScaler(init_scale=8.0, growth_interval=5)
+    params, opt, xs = _problem()
+    for x in xs[:2]:
+        opt.zero_grad()
+        scaler.scale(_loss(params, x)).backward()
+        scaler.step(opt)
+        scaler.update()
+    state = scaler.state_dict()
+    assert state == {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5, "_growth_tracker": 2}
+    other = DynamicLossScaler()
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+    with pytest.raises(KeyError, match="_growth_tracker"):
+        other.load_state_dict({k: v for k, v in state.items() if k != "_growth_tracker"})
+    with pytest.raises(ValueError, match="growth_factor"):
+        other.load_state_dict({**state, "growth_factor": 0.5})
+    assert other.state_dict() == state  # a rejected state dict changed nothing
+    scaler.update(new_scale=3.0)  # update() without a step is fine when a new scale is given
+    assert scaler.get_scale() == 3.0
+
+
+@needs_cpu_gradscaler
+def test_state_dict_moves_between_gradscaler_and_dynamic_loss_scaler():
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=32.0, growth_interval=7)
+    ours = DynamicLossScaler()
+    ours.load_state_dict(torch_scaler.state_dict())
+    assert ours.get_scale() == 32.0 and ours.state_dict()["growth_interval"] == 7
+    back = torch.amp.GradScaler("cpu")
+    back.load_state_dict(ours.state_dict())
+    assert back.get_scale() == 32.0 and back.get_growth_interval() == 7
+
+
+# -- torch.amp.GradScaler -------------------------------------------------------------------
+
+
+@needs_cpu_gradscaler
+def test_gradscaler_passes_itself_with_a_future_warning():
+    params, opt, xs = _problem()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(params, xs[0])).backward()
+    with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
+        scaler.step(opt)
+    assert set(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]) == {torch.device("cpu")}
+    scaler.update()
+
+
+@needs_cpu_gradscaler
+@pytest.mark.filterwarnings(GRADSCALER_WARNING)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_gradscaler_loop_matches_dynamic_loss_scaler(dtype, unscale_first):
+    if unscale_first and dtype == torch.float16:
+        pytest.skip("GradScaler.unscale_ itself refuses FP16 gradients ('Attempting to unscale FP16 gradients')")
+    flags = [0, 0, 1, 0, 0, 0, 1, 0]
+    pa, oa, xs = _problem(dtype)
+    pb, ob, _ = _problem(dtype)
+    ta = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    tb = DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
+    for i, flag in enumerate(flags):
+        oa.zero_grad()
+        ob.zero_grad()
+        ta.scale(_loss(pa, xs[i], overflow=bool(flag))).backward()
+        tb.scale(_loss(pb, xs[i], overflow=bool(flag))).backward()
+        if unscale_first:
+            ta.unscale_(oa)  # grads unscaled by torch; our step must not unscale again
+        ta.step(oa)
+        tb.step(ob)
+        ta.update()
+        tb.update()
+        assert ta.get_scale() == tb.get_scale(), f"step {i}"
+        _same(_snapshot(oa), _snapshot(ob))
+    assert ta.get_scale() == _simulate(flags, 2.0**8, 2.0, 0.5, 2)[-1][0]
+
+
+@needs_cpu_gradscaler
+@pytest.mark.filterwarnings(GRADSCALER_WARNING)
+def test_gradscaler_closure_is_called_and_returned():
+    params, opt, xs = _problem()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = _loss(params, xs[0])
+        scaler.scale(loss).backward()
+        return loss
+
+    scaler.scale(_loss(params, xs[1]))  # GradScaler checks its scale exists before calling step
+    before = params[0].detach().clone()
+    loss = scaler.step(opt, closure)  # positionally: GradScaler refuses closure=
+    scaler.update()
+    assert calls == [1] and isinstance(loss, torch.Tensor)
+    assert not torch.equal(before, params[0].detach())
+
+
+# -- audit: no host sync, no fallback ----------------------------------------------------------
+
+
+def _audit(opt, run):
+    """Audit ``run()`` as if it were ``opt.step()`` (an instance attribute shadows the method)."""
+    from dml_optim.audit import audit_step
+
+    opt.step = lambda closure=None: run()
+    try:
+        return audit_step(opt)
+    finally:
+        del opt.step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scaled_step_and_update_audit_shows_no_sync_and_no_fallback(dtype):
+    params, opt, xs = _problem(dtype)
+    scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=1)
+    for overflow in (False, True, False):  # first, skipped and later steps (device counters)
+        opt.zero_grad()
+        scaler.scale(_loss(params, xs[0], overflow=overflow)).backward()
+        report = _audit(opt, lambda: (scaler.step(opt), scaler.update()))
+        assert report.host_syncs == 0, report.ops
+        assert report.fallbacks == [], report.fallbacks
+        assert report.total_ops > 0
+
+
+@needs_cpu_gradscaler
+def test_gradscaler_step_is_native_but_its_update_falls_back():
+    params, opt, xs = _problem()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(params, xs[0])).backward()
+    report = _audit(opt, lambda: step_with_grad_scaler(opt, scaler))
+    assert report.host_syncs == 0 and report.fallbacks == []
+    scaler._per_optimizer_states[id(opt)]["stage"] = type(scaler._per_optimizer_states[id(opt)]["stage"]).STEPPED
+    report = _audit(opt, scaler.update)
+    # documented caveat: GradScaler.update() runs torch._amp_update_scale_, a CPU fallback on DirectML
+    assert [op for op, _ in report.fallbacks] == ["aten::_amp_update_scale_"]
+
+
+def test_unscale_then_clip_then_step_matches_step_without_clipping_when_clip_is_loose():
+    """DynamicLossScaler.unscale_() unscales on the device once; step() then neither
+    unscales nor checks again (a loose clip changes nothing: same result as no unscale_)."""
+    results = []
+    for clip in (False, True):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8))
+        opt = dml_optim.Adam([p], lr=0.1)
+        scaler = DynamicLossScaler(init_scale=1024.0)
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale((p * p).sum()).backward()
+            if clip:
+                found = scaler.unscale_(opt)
+                assert float(found) == 0.0
+                torch.nn.utils.clip_grad_norm_([p], max_norm=1e6)
+            scaler.step(opt)
+            scaler.update()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
+
+
+def test_unscale_twice_is_refused():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = dml_optim.Adam([p])
+    scaler = DynamicLossScaler()
+    scaler.scale(p.sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already called"):
+        scaler.unscale_(opt)
