@@ -33,8 +33,9 @@ N_TEST = 2048
 HIDDEN = 128
 
 _LATENT = 2          # the spiral plane
-_TURNS = 1.0         # how far each arm winds (in full turns) from the centre outwards
-_LATENT_NOISE = 0.04  # Gaussian noise on the latent points (radius is at most 1)
+_T_MIN = 0.25        # arms start at this radius (the centre, where arms meet, is left out)
+_TURNS = 0.75        # how far each arm winds (in full turns) from the centre outwards
+_LATENT_NOISE = 0.02  # Gaussian noise on the latent points (radius is at most 1)
 _FEATURE_NOISE = 0.05  # Gaussian noise added after the lift
 
 
@@ -44,29 +45,33 @@ def _check_count(name: str, value: int) -> None:
 
 
 def _spiral(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` latent points ``(n, 2)`` and their labels, balanced over the arms.
+    """``n`` latent points ``(n, 2)`` and their labels, balanced over the arms (shuffled).
 
-    Arm ``k``, position ``t ~ U(0.1, 1)``: radius ``t``, angle
+    Arm ``k``, position ``t ~ U(_T_MIN, 1)``: radius ``t``, angle
     ``2*pi*k/NUM_CLASSES + 2*pi*_TURNS*t``, then Gaussian noise.
     """
-    labels = torch.arange(n) % NUM_CLASSES
-    labels = labels[torch.randperm(n, generator=gen)]
-    t = 0.1 + 0.9 * torch.rand(n, generator=gen, dtype=torch.float64)
+    labels = (torch.arange(n) % NUM_CLASSES)[torch.randperm(n, generator=gen)]
+    t = _T_MIN + (1 - _T_MIN) * torch.rand(n, generator=gen, dtype=torch.float64)
     angle = 2 * math.pi * labels.double() / NUM_CLASSES + 2 * math.pi * _TURNS * t
     z = torch.stack([t * torch.cos(angle), t * torch.sin(angle)], dim=1)
     z = z + _LATENT_NOISE * torch.randn(n, _LATENT, generator=gen, dtype=torch.float64)
     return z, labels
 
 
-def _lift(z: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """The fixed random nonlinear map ``R^2 -> R^NUM_FEATURES``: ``tanh(z A + b) W``.
-
-    ``A, b, W`` are drawn from ``gen`` (so they depend only on the seed).
-    """
+def _lift_map(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(A, b, W)`` of the fixed random nonlinear map ``z -> tanh(z A + b) W`` (``R^2 -> R^NUM_FEATURES``)."""
     a = 2.0 * torch.randn(_LATENT, NUM_FEATURES, generator=gen, dtype=torch.float64)
     b = 0.5 * torch.randn(NUM_FEATURES, generator=gen, dtype=torch.float64)
     w = torch.randn(NUM_FEATURES, NUM_FEATURES, generator=gen, dtype=torch.float64) / math.sqrt(NUM_FEATURES)
-    return torch.tanh(z @ a + b) @ w
+    return a, b, w
+
+
+def _points(n: int, lift: tuple[torch.Tensor, torch.Tensor, torch.Tensor], gen: torch.Generator):
+    """``n`` lifted, noisy points (float64) and their labels (balanced: each class ``n // NUM_CLASSES`` or one more)."""
+    a, b, w = lift
+    z, y = _spiral(n, gen)
+    x = torch.tanh(z @ a + b) @ w
+    return x + _FEATURE_NOISE * torch.randn(x.shape, generator=gen, dtype=torch.float64), y
 
 
 def make_dataset(
@@ -80,17 +85,19 @@ def make_dataset(
     """``(x_train, y_train, x_test, y_test)`` of the built-in classification task.
 
     ``x`` has shape ``(n, NUM_FEATURES)`` and ``dtype``; ``y`` is int64 in
-    ``[0, NUM_CLASSES)``.  Features are standardised with the training set's
+    ``[0, NUM_CLASSES)``, balanced within each split (every class has
+    ``n // NUM_CLASSES`` or one more points).  Features are standardised with the training set's
     mean and standard deviation.  Deterministic in ``seed`` (generated in
     float64 on the CPU, then cast and moved).
     """
     _check_count("n_train", n_train)
     _check_count("n_test", n_test)
     gen = torch.Generator().manual_seed(int(seed))
-    z, y = _spiral(n_train + n_test, gen)
-    x = _lift(z, gen)
-    x = x + _FEATURE_NOISE * torch.randn(x.shape, generator=gen, dtype=torch.float64)
-    mean, std = x[:n_train].mean(0), x[:n_train].std(0).clamp_min(1e-12)
+    lift = _lift_map(gen)
+    x_train, y_train = _points(n_train, lift, gen)
+    x_test, y_test = _points(n_test, lift, gen)
+    x, y = torch.cat([x_train, x_test]), torch.cat([y_train, y_test])
+    mean, std = x_train.mean(0), x_train.std(0).clamp_min(1e-12)
     x = (x - mean) / std
     x = x.to(device=device, dtype=dtype)
     y = y.to(device=device)
@@ -106,9 +113,9 @@ def make_model(
 ) -> nn.Module:
     """A small MLP ``NUM_FEATURES -> hidden -> hidden -> NUM_CLASSES`` with ReLU.
 
-    Initialised with torch's default ``nn.Linear`` scheme under
-    ``torch.manual_seed``-independent, seed-determined randomness (a forked RNG
-    state), so the global RNG is left untouched.
+    Initialised with torch's default ``nn.Linear`` scheme from ``seed`` inside
+    :func:`torch.random.fork_rng`, so the same seed gives the same weights and
+    the global CPU RNG state is left untouched.
     """
     _check_count("hidden", hidden)
     with torch.random.fork_rng(devices=[]):

@@ -50,7 +50,7 @@ whole-model buffer; validates them all and prints a summary.
 
 EPILOG = """\
 examples:
-  dml-optim validate shapes/descriptors/valid-fp32-packed.json
+  dml-optim validate shapes/descriptors/valid-minimal.json
   dml-optim validate shapes/descriptors/*.json --json
   dml-optim validate my-desc.json --feature-level 4_0
   cat my-desc.json | dml-optim validate -

@@ -1,0 +1,404 @@
+"""Training the built-in model on the built-in data: the library behind ``dml-optim train``.
+
+:func:`train` runs one optimizer (ours, or its ``torch.optim`` equivalent from
+DESIGN.md §2) over the :mod:`dml_optim.toy` problem and returns a
+:class:`RunResult`: losses before and after, held-out accuracy, median step
+times, and an audit of one optimizer step (aten ops per step and DirectML CPU
+fallbacks, from :func:`dml_optim.audit.audit_step`).  Two runs with the same
+:class:`TrainConfig` see the same initial weights and the same batches, so
+``dml_optim`` and ``torch.optim`` can be compared side by side.
+
+Precision (``TrainConfig.dtype``):
+
+* ``float32``: FP32 parameters, gradients and optimizer state.
+* ``float16``: FP16 parameters, gradients and state, no loss scaling.  Adam,
+  DmlAdam and Adagrad use ``epsilon = 1e-4`` (:data:`FP16_EPSILON`): the FP32
+  defaults (1e-6, 1e-8, 1e-10) are at or below FP16's subnormal range.  The
+  loss is computed in FP32 from FP16 logits.
+* ``mixed``: FP16 parameters and gradients; ours keeps an FP32 master copy and
+  FP32 state (``master_weights=True``) and scales the loss with
+  :class:`dml_optim.amp.DynamicLossScaler` (everything on the device).  The
+  torch.optim equivalent is torch's own recipe: FP32 parameters,
+  ``torch.autocast(dtype=float16)`` and ``torch.amp.GradScaler``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as nnf
+
+from dml_optim import toy
+
+__all__ = [
+    "OPTIMIZERS", "DTYPES", "DEVICES", "DEFAULT_LR", "DEFAULT_STEPS", "DEFAULT_BATCH_SIZE", "FP16_EPSILON",
+    "TrainConfig", "RunResult", "resolve_device", "optimizer_hyperparameters", "train",
+]
+
+#: ``--optimizer`` choices (the names of :func:`dml_optim.audit.make_optimizer`).
+OPTIMIZERS = ("adam", "dml-adam", "adagrad", "momentum")
+#: ``--dtype`` choices.
+DTYPES = ("float32", "float16", "mixed")
+#: ``--device`` choices.
+DEVICES = ("auto", "cpu", "cuda", "privateuseone")
+#: Learning rates that train the toy model well in :data:`DEFAULT_STEPS` steps.
+DEFAULT_LR = {"adam": 3e-3, "dml-adam": 3e-3, "adagrad": 3e-2, "momentum": 5e-2}
+DEFAULT_STEPS = 1000
+DEFAULT_BATCH_SIZE = 128
+#: Epsilon of Adam and DmlAdam with FP16 state (``--dtype float16``).
+FP16_EPSILON = 1e-4
+#: How many loss values :attr:`RunResult.loss_curve` keeps (evenly spaced).
+CURVE_POINTS = 21
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train and how.  ``lr=None`` means ``DEFAULT_LR[optimizer]``."""
+
+    optimizer: str = "adam"
+    lr: float | None = None
+    steps: int = DEFAULT_STEPS
+    batch_size: int = DEFAULT_BATCH_SIZE
+    dtype: str = "float32"
+    seed: int = 0
+    hidden: int = toy.HIDDEN
+    n_train: int = toy.N_TRAIN
+    n_test: int = toy.N_TEST
+
+    def validated(self) -> "TrainConfig":
+        """This config with ``lr`` filled in; ``ValueError`` naming the bad field otherwise."""
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("steps", "batch_size", "hidden", "n_train", "n_test"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        lr = DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        return replace(self, lr=float(lr))
+
+
+@dataclass
+class RunResult:
+    """The outcome of one :func:`train` run (all plain Python values; JSON-ready via :meth:`to_dict`).
+
+    Losses are the mean cross-entropy over the whole training set, before the
+    first and after the last step; ``test_accuracy`` is on the held-out set.
+    Times are medians over the steps, with the device synchronised around each
+    measured region: ``median_optimizer_step_ms`` times ``optimizer.step()``
+    (and, in mixed precision, the loss scaler's step and update);
+    ``median_step_ms`` the whole iteration (batch, forward, backward, step).
+    ``audit`` has ``total_ops``, ``fallback_ops``, ``fallbacks`` and
+    ``host_syncs`` of one extra optimizer step run after the evaluation, or
+    ``error`` when the audit could not run.
+    """
+
+    impl: str
+    optimizer: str
+    hyperparameters: dict[str, Any]
+    dtype: str
+    param_dtype: str
+    state_dtype: str
+    device: str
+    steps: int
+    batch_size: int
+    seed: int
+    initial_loss: float
+    final_loss: float
+    train_accuracy: float
+    test_accuracy: float
+    chance: float
+    median_step_ms: float
+    median_optimizer_step_ms: float
+    total_s: float
+    skipped_steps: int | None = None
+    loss_scale: float | None = None
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    audit: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["loss_curve"] = [[s, v] for s, v in self.loss_curve]
+        return out
+
+
+# ----------------------------------------------------------------------------
+# devices
+# ----------------------------------------------------------------------------
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """The device for ``--device name``; ``ValueError`` naming the value and why it is unusable.
+
+    ``auto`` is :func:`dml_optim.device` (DirectML, else CUDA, else CPU).
+    """
+    from dml_optim.dml.device import available as dml_available, device as best_device
+
+    if name == "auto":
+        return best_device()
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if torch.version.cuda is None else "torch.cuda.is_available() is False"
+            raise ValueError(f"device 'cuda' is not usable: {why}")
+        return torch.device("cuda")
+    if name == "privateuseone":
+        ok, reason = dml_available()
+        if not ok:
+            raise ValueError(f"device 'privateuseone' (DirectML) is not usable: {reason}")
+        return best_device()
+    raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
+
+
+def _synchronize(device: torch.device, probe: torch.Tensor) -> None:
+    """Wait for the device's queued work (CPU: nothing to wait for).
+
+    DirectML has no ``synchronize()``; reading one element of ``probe`` back
+    waits for the queue instead.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu":
+        probe.reshape(-1)[:1].cpu()
+
+
+# ----------------------------------------------------------------------------
+# optimizers
+# ----------------------------------------------------------------------------
+
+def optimizer_hyperparameters(config: TrainConfig) -> dict[str, Any]:
+    """Hyperparameters passed to our optimizer (and mapped to torch.optim's) for ``config``.
+
+    ``lr`` always; in ``float16``, ``epsilon = FP16_EPSILON`` for Adam, DmlAdam
+    and Adagrad (their defaults 1e-6, 1e-8, 1e-10 round to or near 0 in FP16;
+    Adagrad then computes ``0 / (0 + 0)`` = NaN for a parameter whose
+    gradients have all been 0).  Momentum has no epsilon.
+    """
+    config = config.validated()
+    hyper: dict[str, Any] = {"lr": config.lr}
+    if config.dtype == "float16" and config.optimizer in ("adam", "dml-adam", "adagrad"):
+        hyper["epsilon"] = FP16_EPSILON
+    return hyper
+
+
+def _build_optimizer(config: TrainConfig, params, impl: str) -> torch.optim.Optimizer:
+    from dml_optim import audit
+
+    hyper = optimizer_hyperparameters(config)
+    if impl == "torch":
+        # foreach=True: what torch 2.4 picks on a DirectML device (and fine on CPU/CUDA).
+        return audit.torch_equivalent(config.optimizer, params, foreach=True, **hyper)
+    import dml_optim
+
+    cls = {"adam": dml_optim.Adam, "dml-adam": dml_optim.DmlAdam, "adagrad": dml_optim.Adagrad,
+           "momentum": dml_optim.Momentum}[config.optimizer]
+    lr = hyper.pop("lr")
+    # mixed: an FP32 master copy of the FP16 parameters, and FP32 state.
+    return cls(params, lr, master_weights=config.dtype == "mixed", **hyper)
+
+
+def _describe_hyperparameters(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    group = opt.param_groups[0]
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.dtype):
+            value = str(value).replace("torch.", "")
+        if value is None or isinstance(value, (bool, int, float, str)):
+            out[key] = value
+        elif isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value):
+            out[key] = list(value)
+        else:
+            out[key] = str(value)
+    return out
+
+
+def _name(opt: torch.optim.Optimizer) -> str:
+    cls = type(opt)
+    return f"{'torch.optim' if cls.__module__.startswith('torch.optim') else 'dml_optim'}.{cls.__name__}"
+
+
+def _state_dtype(opt: torch.optim.Optimizer, fallback: torch.dtype) -> str:
+    for state in opt.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                return str(value.dtype).replace("torch.", "")
+    for buffers in getattr(opt, "_flats", []):  # dml_optim: one list of flat buffers per param group
+        for flat in buffers:
+            for value in flat.states.values():
+                return str(value.dtype).replace("torch.", "")
+    return str(fallback).replace("torch.", "")
+
+
+def _audit(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """``total_ops``, ``fallback_ops``, ``fallbacks``, ``host_syncs`` of one step of ``opt`` (it steps)."""
+    try:
+        from dml_optim.audit import audit_step
+
+        report = audit_step(opt)
+    except Exception as exc:  # an audit failure must not hide the training result
+        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
+    return {
+        "total_ops": report.total_ops,
+        "fallback_ops": report.fallback_ops,
+        "fallbacks": [{"op": op, "count": n} for op, n in report.fallbacks],
+        "host_syncs": report.host_syncs,
+        "tensors": report.num_tensors,
+        "flat_buffers": report.flat_buffers,
+    }
+
+
+# ----------------------------------------------------------------------------
+# the loop
+# ----------------------------------------------------------------------------
+
+@torch.no_grad()
+def _mean_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 4096) -> float:
+    total = 0.0
+    for i in range(0, x.shape[0], batch):
+        logits = model(x[i:i + batch]).float()
+        total += float(nnf.cross_entropy(logits, y[i:i + batch], reduction="sum"))
+    return total / x.shape[0]
+
+
+#: ``progress(step, steps, loss)``: called after steps the caller asked for (see :func:`train`).
+ProgressFn = Callable[[int, int, float], None]
+
+
+def train(
+    config: TrainConfig = TrainConfig(),
+    *,
+    device: torch.device | str = "cpu",
+    impl: str = "dml_optim",
+    progress: ProgressFn | None = None,
+    progress_every: int = 0,
+    audit: bool = True,
+) -> RunResult:
+    """Train the toy MLP on the toy data with ``config`` and return a :class:`RunResult`.
+
+    Args:
+        config: hyperparameters and sizes (validated; ``ValueError`` otherwise).
+        device: where to train.
+        impl: ``"dml_optim"`` (ours) or ``"torch"`` (the torch.optim equivalent,
+            DESIGN.md §2, ``foreach=True``; same initial weights, same batches).
+        progress: called as ``progress(step, steps, loss)`` every
+            ``progress_every`` steps and after the last one (reads the loss: a
+            host sync at those steps only).
+        progress_every: see ``progress``; 0 means only after the last step.
+        audit: run :func:`dml_optim.audit.audit_step` on one extra optimizer
+            step after the evaluation (it does not affect the reported numbers).
+    """
+    config = config.validated()
+    if impl not in ("dml_optim", "torch"):
+        raise ValueError(f"impl must be 'dml_optim' or 'torch', got {impl!r}")
+    if isinstance(progress_every, bool) or not isinstance(progress_every, int) or progress_every < 0:
+        raise ValueError(f"progress_every must be a non-negative integer, got {progress_every!r}")
+    device = torch.device(device)
+    mixed = config.dtype == "mixed"
+    torch_amp = mixed and impl == "torch"
+    param_dtype = torch.float32 if (config.dtype == "float32" or torch_amp) else torch.float16
+
+    x_train, y_train, x_test, y_test = toy.make_dataset(
+        config.seed, config.n_train, config.n_test, device=device, dtype=param_dtype)
+    model = toy.make_model(config.seed, config.hidden, device=device, dtype=param_dtype)
+    gen = torch.Generator().manual_seed(config.seed + 1)
+    batches = torch.randint(0, config.n_train, (config.steps, config.batch_size), generator=gen).to(device)
+    opt = _build_optimizer(config, model.parameters(), impl)
+    scaler = _make_scaler(device, mixed, torch_amp)
+    probe = next(model.parameters())
+
+    initial_loss = _mean_loss(model, x_train, y_train)
+    losses: list[torch.Tensor] = []
+    skipped = torch.zeros((), device=device) if (mixed and not torch_amp) else None
+    step_ms: list[float] = []
+    opt_ms: list[float] = []
+    start = time.perf_counter()
+    for i in range(config.steps):
+        _synchronize(device, probe)
+        t0 = time.perf_counter()
+        idx = batches[i]
+        opt.zero_grad()
+        with _autocast(device, torch_amp):
+            logits = model(x_train[idx])
+        loss = nnf.cross_entropy(logits.float(), y_train[idx])
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        _synchronize(device, probe)
+        t1 = time.perf_counter()
+        if scaler is None:
+            opt.step()
+        elif torch_amp:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            skipped += scaler.step(opt)
+            scaler.update()
+        _synchronize(device, probe)
+        t2 = time.perf_counter()
+        step_ms.append((t2 - t0) * 1e3)
+        opt_ms.append((t2 - t1) * 1e3)
+        losses.append(loss.detach())
+        if progress is not None and (i + 1 == config.steps or (progress_every and (i + 1) % progress_every == 0)):
+            progress(i + 1, config.steps, float(losses[-1]))
+    total_s = time.perf_counter() - start
+
+    final_loss = _mean_loss(model, x_train, y_train)
+    curve = torch.stack(losses).float().cpu().tolist()
+    picks = sorted({round(k * (len(curve) - 1) / (CURVE_POINTS - 1)) for k in range(CURVE_POINTS)})
+    result = RunResult(
+        impl="torch.optim" if impl == "torch" else "dml_optim",
+        optimizer=_name(opt),
+        hyperparameters=_describe_hyperparameters(opt),
+        dtype=config.dtype,
+        param_dtype=str(param_dtype).replace("torch.", ""),
+        state_dtype=_state_dtype(opt, param_dtype),
+        device=str(device),
+        steps=config.steps,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        initial_loss=initial_loss,
+        final_loss=final_loss,
+        train_accuracy=toy.accuracy(model, x_train, y_train),
+        test_accuracy=toy.accuracy(model, x_test, y_test),
+        chance=toy.chance_level(),
+        median_step_ms=statistics.median(step_ms),
+        median_optimizer_step_ms=statistics.median(opt_ms),
+        total_s=total_s,
+        skipped_steps=None if skipped is None else int(skipped.item()),
+        loss_scale=None if scaler is None else float(scaler.get_scale()),
+        loss_curve=[(p + 1, curve[p]) for p in picks],
+    )
+    if audit:
+        result.audit = _audit(opt)
+    return result
+
+
+def _make_scaler(device: torch.device, mixed: bool, torch_amp: bool):
+    if not mixed:
+        return None
+    if torch_amp:
+        return torch.amp.GradScaler(device.type)
+    from dml_optim.amp import DynamicLossScaler
+
+    return DynamicLossScaler(device=device)
+
+
+def _autocast(device: torch.device, enabled: bool):
+    if not enabled:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.float16)
