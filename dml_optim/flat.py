@@ -117,12 +117,46 @@ class FlatBuffer:
         return [i for i, (p, ptr) in enumerate(zip(self.params, self._ptrs)) if p.data_ptr() != ptr or not p.is_contiguous()]
 
     def adopt_params(self, moved: Sequence[int]) -> None:
-        """Copy re-bound parameters back into the buffer and re-point them."""
+        """Copy re-bound parameters back into the buffer and re-point them.
+
+        Exception: if *every* parameter was re-bound to a packed slice of one
+        storage, in buffer order and at buffer offsets (what
+        ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)`` does), that
+        range becomes the flat buffer: nothing is copied, and the other owner
+        keeps seeing (and broadcasting) the updated parameters.
+        """
+        if self._rebase(moved):
+            return
+        storages = [self.params[i].untyped_storage().data_ptr() for i in moved]
+        if len(set(storages)) < len(storages):
+            raise RuntimeError(
+                "parameters of this optimizer were re-bound into a shared buffer by another component "
+                "(e.g. ZeroRedundancyOptimizer(parameters_as_bucket_view=True) over a group that also holds "
+                "frozen parameters) in a layout dml_optim cannot adopt; copying them back would leave that "
+                "buffer stale. Give the optimizer only the parameters that buffer holds, in its order, "
+                "or disable the bucket view."
+            )
         with torch.no_grad():
             for i, p, view in zip(range(len(self)), self.params, self._views(self.data)):
                 if i in moved:
                     view.copy_(p.detach().reshape(-1))
                     p.data = view.view_as(p)
+
+    def _rebase(self, moved: Sequence[int]) -> bool:
+        """Make the storage all parameters were re-bound into the flat buffer, if they tile it in order."""
+        if len(moved) != len(self.params):
+            return False
+        first = self.params[0]
+        storage = first.untyped_storage()
+        base = first.storage_offset()
+        for p, offset in zip(self.params, self.offsets):
+            if (not p.is_contiguous() or p.untyped_storage().data_ptr() != storage.data_ptr()
+                    or p.storage_offset() != base + offset):
+                return False
+        with torch.no_grad():
+            self.data = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, base, (self.numel,))
+        self._ptrs = [p.data_ptr() for p in self.params]
+        return True
 
     def grad_status(self) -> tuple[list[bool], list[int]]:
         """``(has_grad, foreign)``: which params have a gradient, and which of
@@ -144,12 +178,17 @@ class FlatBuffer:
             p.grad = self.grad_views[i]
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """Zero the gradients in one op (or set them to ``None``)."""
+        """Zero the gradients in one op (or set them to ``None``).
+
+        Like torch.optim, a gradient that is ``None`` stays ``None``; a foreign
+        gradient tensor (replaced by the user, or a DDP bucket view) is
+        re-pointed at its zeroed view of the flat buffer.
+        """
         if set_to_none:
             for p in self.params:
                 p.grad = None
             return
         self.grad.zero_()
         for p, g in zip(self.params, self.grad_views):
-            if p.grad is not g:
+            if p.grad is not None and p.grad is not g:  # a None gradient stays None, as in torch.optim
                 p.grad = g

@@ -124,6 +124,8 @@ def _check_groups(opt, saved_groups, version: int):
             candidate[key] = group[key]
         for key, value in candidate.items():  # Python ints reach the kernels as floats (2**70 overflows int64)
             if key not in opt._options and isinstance(value, int) and not isinstance(value, bool):
+                if abs(value) > 2**1023:
+                    _fail(f"param_groups[{gi}]: {key} = {value} is too large for a float")
                 candidate[key] = float(value)
         try:
             opt._check_hyperparameters(candidate)
@@ -233,6 +235,8 @@ def _check_step(step, where: str) -> int:
         step = step.item()
     if isinstance(step, bool) or not isinstance(step, numbers.Real):
         _fail(f"{where}['step'] must be a non-negative whole number, got {shown!r}", TypeError)
+    if isinstance(step, int) and not 0 <= step <= MAX_STEP:
+        _fail(f"{where}['step'] must be a non-negative whole number <= 2**53, got {shown!r}")
     if not math.isfinite(step) or step < 0 or step != int(step) or step > MAX_STEP:
         _fail(f"{where}['step'] must be a non-negative whole number <= 2**53, got {shown!r}")
     return int(step)

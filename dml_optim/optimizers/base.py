@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from dml_optim.backends import rule_runner
 from dml_optim.flat import FlatBuffer, Run, describe_param, group_key
 from dml_optim.functional import check_hyperparameter
+from dml_optim.optimizers._stateview import StateView
 
 __all__ = ["FlatOptimizer", "BACKENDS", "NONFINITE_MODES", "STATE_DICT_FORMAT_VERSION", "CHUNK_ELEMENTS"]
 
@@ -130,6 +131,7 @@ class FlatOptimizer(Optimizer):
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of Tensors or dicts, got a Tensor")
         super().__init__(params, defaults)
+        self.state = StateView(self)
 
     # -- subclass hooks ------------------------------------------------------
 
@@ -605,10 +607,11 @@ class FlatOptimizer(Optimizer):
 
         Unlike torch.optim (whose default is ``set_to_none=True``), the default
         keeps each ``p.grad`` a view of the flat gradient buffer, so autograd
-        accumulates in place and nothing is allocated per step.  With
+        accumulates in place and nothing is allocated per step.  As in
+        torch.optim, a ``None`` gradient stays ``None``.  With
         ``set_to_none=True`` gradients become ``None`` (and a parameter that
-        gets no gradient before the next step is not updated, as in torch.optim);
-        the next step gathers the new gradients into the flat buffer.
+        gets no gradient before the next step is not updated); the next step
+        gathers the new gradients into the flat buffer (one copy each).
         """
         for flats in self._flats:
             for flat in flats:
