@@ -177,6 +177,12 @@ class FlatBuffer:
             self.grad_views[i].copy_(p.grad)
             p.grad = self.grad_views[i]
 
+    def attach_grads(self) -> None:
+        """Point every ``p.grad`` at its view of the flat gradient buffer
+        (for code that writes gradients straight into ``flat.grad``)."""
+        for p, g in zip(self.params, self.grad_views):
+            p.grad = g
+
     def zero_grad(self, set_to_none: bool) -> None:
         """Zero the gradients in one op (or set them to ``None``).
 

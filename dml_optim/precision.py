@@ -408,7 +408,7 @@ class _Run:
         self.curve: list[float] = []
         self.lost = self.moved = self.underflow = 0
         self.first_nonfinite: int | None = None
-        opt.zero_grad()  # every p.grad becomes a view of the flat gradient buffer
+        self.flat.attach_grads()  # every p.grad becomes a view of the flat gradient buffer
 
 
 def _sq_norm(x: torch.Tensor, r: torch.Tensor | None = None) -> float:

@@ -15,7 +15,15 @@ Two layouts load:
   ``amsgrad``, ``decoupled_weight_decay``), never silently dropped.  A
   ``torch.optim.SGD`` state has no ``step``; a ``momentum_buffer`` means at
   least one step was taken, which is all ONNX Momentum's ``T`` distinguishes,
-  so it loads as ``step = 1``.
+  so it loads as ``step = 1``.  (torch 2.4's ``AdamW`` writes no flag that
+  tells it from ``Adam``: its decoupled ``weight_decay`` would load as our L2
+  ``norm_coefficient``; don't load an AdamW checkpoint into ``Adam``.)
+
+Param groups: a version-1 group must hold every hyperparameter of this
+optimizer (a missing one is a ``KeyError``); keys that learning-rate
+schedulers add (``initial_lr``, ...: ``SCHEDULER_KEYS``) load as they are;
+any other unknown key is a ``KeyError``.  Python ints become floats (a huge
+int would overflow in the kernels).  Parameter ids must be unique.
 
 Casting: every state tensor is cast to *this* optimizer's state dtype and
 moved to its device; the optimizer keeps its own precision and runtime options

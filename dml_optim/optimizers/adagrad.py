@@ -32,6 +32,13 @@ class Adagrad(FlatOptimizer):
 
     state_names = ("sum",)
     step_offset = 0
+    #: Hyperparameter ranges, checked (and stored as floats) by the base class.
+    hyperparameter_ranges = {
+        "lr": dict(low=0.0),
+        "decay_factor": dict(low=0.0),
+        "epsilon": dict(low=0.0),
+        "norm_coefficient": dict(low=0.0),
+    }
     skip_identity = {"epsilon": 1.0, "rate": 0.0, "norm_coefficient": 0.0}
 
     def __init__(
@@ -55,12 +62,6 @@ class Adagrad(FlatOptimizer):
             compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
             atomic=atomic,
         )
-
-    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
-        F.check_hyperparameter("lr", group["lr"], low=0.0)
-        F.check_hyperparameter("decay_factor", group["decay_factor"], low=0.0)
-        F.check_hyperparameter("epsilon", group["epsilon"], low=0.0)
-        F.check_hyperparameter("norm_coefficient", group["norm_coefficient"], low=0.0)
 
     def _scratch_count(self, group, gated: bool) -> int:
         return 2 if group["norm_coefficient"] else 1

@@ -50,6 +50,15 @@ class Adam(FlatOptimizer):
 
     state_names = ("exp_avg", "exp_avg_sq")
     step_offset = 1
+    #: Hyperparameter ranges, checked (and stored as floats) by the base class.
+    hyperparameter_ranges = {
+        "lr": dict(low=0.0),
+        "alpha": dict(low=0.0, high=1.0, high_open=True),
+        "beta": dict(low=0.0, high=1.0, high_open=True),
+        "epsilon": dict(low=0.0),
+        "norm_coefficient": dict(low=0.0),
+        "norm_coefficient_post": dict(low=0.0, high=1.0),
+    }
     skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0, "norm_coefficient": 0.0, "norm_coefficient_post": 0.0}
 
     def __init__(
@@ -78,14 +87,6 @@ class Adam(FlatOptimizer):
             compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
             atomic=atomic,
         )
-
-    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
-        F.check_hyperparameter("lr", group["lr"], low=0.0)
-        F.check_hyperparameter("alpha", group["alpha"], low=0.0, high=1.0, high_open=True)
-        F.check_hyperparameter("beta", group["beta"], low=0.0, high=1.0, high_open=True)
-        F.check_hyperparameter("epsilon", group["epsilon"], low=0.0)
-        F.check_hyperparameter("norm_coefficient", group["norm_coefficient"], low=0.0)
-        F.check_hyperparameter("norm_coefficient_post", group["norm_coefficient_post"], low=0.0, high=1.0)
 
     def _scratch_count(self, group, gated: bool) -> int:
         return 2 if group["norm_coefficient"] and gated else 1

@@ -130,13 +130,21 @@ class FlatOptimizer(Optimizer):
         self._flats: list[list[FlatBuffer]] = []
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of Tensors or dicts, got a Tensor")
+        if isinstance(params, (set, frozenset)):
+            raise TypeError(f"params must be given as an ordered collection (a list), got a {type(params).__name__}")
         super().__init__(params, defaults)
         self.state = StateView(self)
 
     # -- subclass hooks ------------------------------------------------------
 
-    def _check_hyperparameters(self, group: dict[str, Any]) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    #: ``{name: check_hyperparameter keyword ranges}`` of the subclass's hyperparameters.
+    hyperparameter_ranges: dict[str, dict[str, Any]] = {}
+
+    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
+        """Check every hyperparameter of ``group`` and store it back as a float
+        (a huge int or a 0-d tensor must not reach the kernels)."""
+        for name, ranges in self.hyperparameter_ranges.items():
+            group[name] = check_hyperparameter(name, group[name], **ranges)
 
     def _coefficients(self, group: dict[str, Any], T) -> dict[str, Any]:  # pragma: no cover - abstract
         """Per-step scalars of the rule at step ``T`` (number or 0-d tensor)."""
@@ -160,8 +168,8 @@ class FlatOptimizer(Optimizer):
         params = group.get("params")
         if isinstance(params, torch.Tensor):
             params = [params]
-        elif isinstance(params, set):
-            raise TypeError("params must be given as an ordered collection (a list), got a set")
+        elif isinstance(params, (set, frozenset)):
+            raise TypeError(f"params must be given as an ordered collection (a list), got a {type(params).__name__}")
         else:
             params = list(params) if params is not None else []
         group["params"] = params
@@ -213,6 +221,8 @@ class FlatOptimizer(Optimizer):
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {group['nonfinite']!r}")
         for key in ("state_dtype", "compute_dtype"):
             group[key] = _dtype_arg(key, group[key])
+        if not isinstance(group["master_weights"], bool):
+            raise TypeError(f"master_weights must be a bool, got {group['master_weights']!r}")
         if group["master_weights"]:
             for p in group["params"]:
                 if p.dtype not in (torch.float16, torch.bfloat16):
@@ -234,6 +244,10 @@ class FlatOptimizer(Optimizer):
 
     # -- precision ------------------------------------------------------------
 
+    @staticmethod
+    def _precision(group) -> tuple:
+        return (group["state_dtype"], group["compute_dtype"], group["master_weights"])
+
     def _state_dtype(self, group, flat: FlatBuffer) -> torch.dtype:
         if group["master_weights"]:
             return group["state_dtype"] or torch.float32
@@ -250,6 +264,7 @@ class FlatOptimizer(Optimizer):
             if len(flat.scratch) != self._scratch_total(group, flat):
                 self._alloc_scratch(group, flat)
             return
+        flat.precision = self._precision(group)
         sdtype = self._state_dtype(group, flat)
         for name in self.state_names:
             flat.states[name] = torch.zeros(flat.numel, dtype=sdtype, device=flat.device)
@@ -298,9 +313,7 @@ class FlatOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = self._prepare()
-        for group, flat, _ in work:
-            if group["nonfinite"] == "raise":
-                self._raise_if_nonfinite(flat)
+        self._raise_if_nonfinite([flat for group, flat, _ in work if group["nonfinite"] == "raise"])
         finite = None  # one flag for every "skip" buffer: a step is skipped as a whole
         for group, flat, _ in work:
             if group["nonfinite"] == "skip":
@@ -385,6 +398,13 @@ class FlatOptimizer(Optimizer):
         self._check_options(group)
         plan = []
         for flat in self._flats[group_index]:
+            if flat.states and flat.precision != self._precision(group):
+                old, new = flat.precision, self._precision(group)
+                changed = [f"{k} from {a} to {b}" for k, a, b in zip(("state_dtype", "compute_dtype", "master_weights"), old, new) if a != b]
+                raise ValueError(
+                    f"param_groups[{group_index}]: {', '.join(changed)} after the states were allocated is not "
+                    "supported; build a new optimizer with the new options and load_state_dict() into it"
+                )
             has_grad, foreign = flat.grad_status()
             for i in foreign:
                 self._check_grad(flat, i, group_index)
@@ -461,11 +481,15 @@ class FlatOptimizer(Optimizer):
         parameters that share a counter.
         """
         if finite is None and flat.device_steps is None:
-            return [
+            updates = [
                 _Update(group, flat, run, self._scalars(group, T + self.step_offset), None, has_grad)
                 for (active, T), run in self._runs(flat, has_grad, flat.steps)
                 if active
             ]
+            self._check_range(group, flat, {name: group[name] for name in self.hyperparameter_ranges})
+            for u in updates:
+                self._check_range(group, flat, u.scalars)
+            return updates
         if flat.device_steps is None:  # the same counts, moved to the device
             flat.device_steps = torch.tensor(flat.steps, dtype=torch.int64, device=flat.device)
             flat.step_history = list(flat.steps)
@@ -484,6 +508,16 @@ class FlatOptimizer(Optimizer):
                 scalars = self._gate(scalars, finite, coef_dtype)
             updates.append(_Update(group, flat, run, scalars, finite, has_grad))
         return updates
+
+    def _check_range(self, group, flat: FlatBuffer, scalars: dict[str, Any]) -> None:
+        """Refuse per-step scalars the compute dtype cannot hold (before any write)."""
+        limit = torch.finfo(self._compute_dtype(group, flat)).max
+        for name, value in scalars.items():
+            if isinstance(value, float) and abs(value) > limit:
+                raise ValueError(
+                    f"{name}={value!r} (from the hyperparameters of this param group) is beyond the range of "
+                    f"{self._compute_dtype(group, flat)} (max {limit:g}); nothing was updated"
+                )
 
     def _commit(self, work, updates: list[_Update]) -> None:
         """Run the planned updates; then advance the host-side bookkeeping.
@@ -512,11 +546,12 @@ class FlatOptimizer(Optimizer):
             if snapshot is not None:
                 for dst, src in snapshot:
                     dst.copy_(src)
-            elif done and hasattr(exc, "add_note"):
+            elif hasattr(exc, "add_note"):
                 exc.add_note(
-                    f"dml_optim: {type(self).__name__}.step() failed after updating {len(done)} of {len(updates)} "
-                    "parameter runs; parameters and states may be partially updated. Restore a checkpoint, "
-                    "or construct the optimizer with atomic=True to roll failed steps back."
+                    f"dml_optim: {type(self).__name__}.step() failed while writing (after {len(done)} of "
+                    f"{len(updates)} parameter runs had finished); parameters and states may be partially "
+                    "updated. Restore a checkpoint, or construct the optimizer with atomic=True to roll "
+                    "failed steps back."
                 )
             raise
         for u in updates:  # host bookkeeping, after every kernel succeeded
@@ -559,13 +594,20 @@ class FlatOptimizer(Optimizer):
                 gated[name] = torch.where(finite, value, _device_constant(identity, dtype, finite.device))
         return gated
 
-    def _raise_if_nonfinite(self, flat: FlatBuffer) -> None:
-        """``nonfinite="raise"``: one host sync; names the offending parameters."""
-        if bool(self._finite(flat)):
+    def _raise_if_nonfinite(self, flats: list[FlatBuffer]) -> None:
+        """``nonfinite="raise"``: one host sync per step; names the offending parameters."""
+        finite = None
+        for flat in flats:
+            ok = self._finite(flat)
+            finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
+        if finite is None or bool(finite):
             return
-        gi = next(i for i, flats in enumerate(self._flats) if flat in flats)
-        bad = [describe_param(p, idx, gi) for p, idx, g in zip(flat.params, flat.indices, flat.grad_views)
-               if p.grad is not None and not bool(torch.isfinite(g).all())]
+        bad = []
+        for gi, group_flats in enumerate(self._flats):
+            for flat in group_flats:
+                if flat in flats:
+                    bad += [describe_param(p, idx, gi) for p, idx, g in zip(flat.params, flat.indices, flat.grad_views)
+                            if p.grad is not None and not bool(torch.isfinite(g).all())]
         raise FloatingPointError(f"non-finite gradient (inf or nan) in {', '.join(bad)}; nothing was updated")
 
     # -- applying the rule ----------------------------------------------------
@@ -625,7 +667,7 @@ class FlatOptimizer(Optimizer):
         steps = flat.device_steps.tolist() if flat.device_steps is not None else flat.steps
         if steps[i] == 0:
             return {}
-        state: dict[str, Any] = {"step": torch.tensor(float(steps[i]))}
+        state: dict[str, Any] = {"step": torch.tensor(float(steps[i]), dtype=torch.float64)}  # exact to 2**53
         for name in self.state_names:
             state[name] = flat.views(flat.states[name])[i]
         if flat.master is not None:

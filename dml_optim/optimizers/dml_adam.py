@@ -47,6 +47,13 @@ class DmlAdam(FlatOptimizer):
 
     state_names = ("exp_avg", "exp_avg_sq")
     step_offset = 1
+    #: Hyperparameter ranges, checked (and stored as floats) by the base class.
+    hyperparameter_ranges = {
+        "lr": dict(low=0.0),
+        "beta1": dict(low=0.0, high=1.0, high_open=True),
+        "beta2": dict(low=0.0, high=1.0, high_open=True),
+        "epsilon": dict(low=0.0),
+    }
     skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0}
 
     def __init__(
@@ -70,12 +77,6 @@ class DmlAdam(FlatOptimizer):
             compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
             atomic=atomic,
         )
-
-    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
-        F.check_hyperparameter("lr", group["lr"], low=0.0)
-        F.check_hyperparameter("beta1", group["beta1"], low=0.0, high=1.0, high_open=True)
-        F.check_hyperparameter("beta2", group["beta2"], low=0.0, high=1.0, high_open=True)
-        F.check_hyperparameter("epsilon", group["epsilon"], low=0.0)
 
     def _check_param(self, p, index: int, group_index: int) -> None:
         super()._check_param(p, index, group_index)

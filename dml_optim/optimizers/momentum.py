@@ -30,6 +30,13 @@ class Momentum(FlatOptimizer):
 
     state_names = ("momentum_buffer",)
     step_offset = 0
+    #: Hyperparameter ranges, checked (and stored as floats) by the base class.
+    hyperparameter_ranges = {
+        "lr": dict(low=0.0),
+        "alpha": dict(low=0.0, high=1.0),
+        "beta": dict(low=0.0, high=1.0),
+        "norm_coefficient": dict(low=0.0),
+    }
     skip_identity = {"lr": 0.0, "alpha": 1.0, "grad_scale": 0.0, "norm_coefficient": 0.0}
 
     def __init__(
@@ -56,10 +63,7 @@ class Momentum(FlatOptimizer):
         )
 
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:
-        F.check_hyperparameter("lr", group["lr"], low=0.0)
-        F.check_hyperparameter("alpha", group["alpha"], low=0.0, high=1.0)
-        F.check_hyperparameter("beta", group["beta"], low=0.0, high=1.0)
-        F.check_hyperparameter("norm_coefficient", group["norm_coefficient"], low=0.0)
+        super()._check_hyperparameters(group)
         if group["mode"] not in F.MOMENTUM_MODES:
             raise ValueError(f"mode must be 'standard' or 'nesterov', got {group['mode']!r}")
 

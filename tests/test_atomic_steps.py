@@ -1,0 +1,249 @@
+"""Atomic steps (issue 8, item 2).
+
+Two kinds of failure inside ``step()``:
+
+* validation-class errors (a bad hyperparameter in a later group, a bad
+  gradient in the last parameter, a non-finite gradient with
+  ``nonfinite="raise"``): raised before the first write, whatever the
+  optimizer's ``atomic`` setting; the rule is never called;
+* a failure injected in the middle of the update, after some flat buffers,
+  runs of parameters, or chunks of a chunked-precision update were already
+  written (the rule is wrapped to raise after its n-th call, or
+  ``dml_optim.functional.adam_`` is patched).  Evidence, measured here: with
+  the default ``atomic=False`` such a failure leaves the step half done (the
+  exception gets a note saying so); with ``atomic=True`` parameters, states,
+  gradients and step counters (host and device) are restored bit-exactly and
+  the next step matches a run that never failed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import dml_optim.functional
+import dml_optim.optimizers.base as base
+from dml_optim import Adagrad, Adam, DmlAdam, Momentum
+from test_bad_inputs import assert_same, make_params, new_grads, snapshot
+
+ALL = (Adam, Adagrad, Momentum, DmlAdam)
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def fail_after(opt, n: int, exc=Injected):
+    """Wrap ``opt._rule``: run the real rule, and raise right after its ``n``-th call."""
+    real = opt._rule
+    calls = []
+
+    def rule(*args, **kwargs):
+        real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == n:
+            raise exc("injected failure")
+
+    opt._rule = rule
+    return calls
+
+
+# -- worlds with several writes per step ----------------------------------------
+
+
+def buffers_world(cls, **kw):
+    """Three param groups = three flat buffers, one completed step."""
+    ps = make_params(shapes=((2, 3), (4,), (5,)))
+    opt = cls([{"params": [p]} for p in ps], lr=0.1, **kw)
+    opt.step()
+    new_grads(ps)
+    return ps, opt
+
+
+def runs_world(cls, **kw):
+    """One buffer whose params have different step counts: three runs per step."""
+    ps = make_params(shapes=((3,), (4,), (2,), (5,)))
+    opt = cls(ps, lr=0.1, **kw)
+    ps[1].grad = None
+    opt.step()  # p1 stays at step 0: runs [p0], [p1], [p2, p3]
+    new_grads(ps)
+    return ps, opt
+
+
+def chunked_world(cls, monkeypatch, **kw):
+    """float16 parameters, float32 compute: the rule runs over 8-element chunks."""
+    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 8)
+    ps = make_params(shapes=((5, 6), (7,)), dtype=torch.float16)
+    opt = cls(ps, lr=0.01, compute_dtype=torch.float32, state_dtype=torch.float32, **kw)
+    opt.step()
+    new_grads(ps)
+    assert opt._chunked(opt.param_groups[0], opt._flats[0][0])
+    return ps, opt
+
+
+def master_world(cls, **kw):
+    ps = make_params(shapes=((3, 3),), dtype=torch.float16) + make_params(shapes=((4,),), dtype=torch.float16)
+    opt = cls([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=0.01, master_weights=True, **kw)
+    opt.step()
+    new_grads(ps)
+    return ps, opt
+
+
+WORLDS = {
+    "buffers": lambda cls, mp, **kw: buffers_world(cls, **kw),
+    "runs": lambda cls, mp, **kw: runs_world(cls, **kw),
+    "chunks": lambda cls, mp, **kw: chunked_world(cls, mp, **kw),
+    "master": lambda cls, mp, **kw: master_world(cls, **kw),
+    "buffers-skip": lambda cls, mp, **kw: buffers_world(cls, nonfinite="skip", **kw),
+    "runs-skip": lambda cls, mp, **kw: runs_world(cls, nonfinite="skip", **kw),
+}
+
+
+def _note(exc_info) -> str:
+    return " ".join(getattr(exc_info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS))
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_injected_failure_is_rolled_back_with_atomic(cls, world, monkeypatch):
+    ps, opt = WORLDS[world](cls, monkeypatch, atomic=True)
+    twin_ps, twin = WORLDS[world](cls, monkeypatch, atomic=True)
+    before = snapshot(ps, opt)
+    calls = fail_after(opt, 2)
+    with pytest.raises(Injected):
+        opt.step()
+    assert len(calls) == 2  # the failure came after two rule applications had written
+    assert_same(before, snapshot(ps, opt))
+    # and the optimizer goes on exactly like a twin that never failed
+    del opt._rule
+    opt.step()
+    twin.step()
+    a, b = snapshot(ps, opt), snapshot(twin_ps, twin)
+    del a["group_params"], b["group_params"]
+    assert_same(a, b)
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS))
+def test_injected_failure_without_atomic_is_partial_and_says_so(world, monkeypatch):
+    """The default (atomic=False) does not roll back: the measured evidence for the option."""
+    ps, opt = WORLDS[world](Adam, monkeypatch)
+    before = snapshot(ps, opt)
+    fail_after(opt, 2)
+    with pytest.raises(Injected) as info:
+        opt.step()
+    with pytest.raises(AssertionError):  # something (params, states or the master copy) was written
+        assert_same(before, snapshot(ps, opt))
+    if sys.version_info >= (3, 11):  # BaseException.add_note exists from Python 3.11 on
+        assert "partially updated" in _note(info) and "atomic=True" in _note(info)
+    else:  # pragma: no cover - Python 3.10 has no exception notes
+        assert not hasattr(info.value, "__notes__")
+
+
+def test_failure_inside_functional_adam_is_rolled_back(monkeypatch):
+    """Patch the math itself (``dml_optim.functional.adam_``), not the optimizer's hook."""
+    ps, opt = buffers_world(Adam, atomic=True)
+    real = dml_optim.functional.adam_
+    calls = []
+
+    def adam_(*args, **kwargs):
+        real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("injected out-of-memory")
+
+    monkeypatch.setattr(dml_optim.functional, "adam_", adam_)
+    before = snapshot(ps, opt)
+    with pytest.raises(MemoryError):
+        opt.step()
+    assert len(calls) == 2
+    assert_same(before, snapshot(ps, opt))
+
+
+def test_keyboard_interrupt_mid_update_is_rolled_back(monkeypatch):
+    ps, opt = chunked_world(Adam, monkeypatch, atomic=True)
+    before = snapshot(ps, opt)
+    fail_after(opt, 3, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert_same(before, snapshot(ps, opt))
+
+
+def test_failure_after_a_skipped_overflow_step_is_rolled_back(monkeypatch):
+    """Gated path with a non-finite gradient: device counters and zeroed grads come back too."""
+    ps, opt = buffers_world(Adam, nonfinite="skip", atomic=True)
+    ps[2].grad[0] = float("inf")
+    before = snapshot(ps, opt)
+    fail_after(opt, 3)
+    with pytest.raises(Injected):
+        opt.step()
+    assert_same(before, snapshot(ps, opt))
+
+
+# -- validation-class errors: raised before any write ----------------------------
+
+
+def multi_world(cls, **kw):
+    """Two groups; group 0 holds two dtypes (two flat buffers), group 1 one; one step done."""
+    dt2 = torch.float16 if cls is DmlAdam else torch.float64
+    ps = make_params(shapes=((2, 3), (4,))) + make_params(shapes=((3,),), dtype=dt2) + make_params(shapes=((5,), (6,)))
+    opt = cls([{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05}], lr=0.01, **kw)
+    assert len(opt._flats[0]) == 2
+    opt.step()
+    new_grads(ps)
+    return ps, opt
+
+
+def _spoil_hyperparameter(ps, opt):
+    opt.param_groups[1]["lr"] = -1.0
+
+
+def _spoil_last_grad(ps, opt):
+    saved = ps[-1].data
+    ps[-1].data = torch.empty(7)
+    ps[-1].grad = torch.ones(7)
+    ps[-1].data = saved
+
+
+def _spoil_last_grad_sparse(ps, opt):
+    ps[-1].grad = torch.ones(6).to_sparse()
+
+
+def _nonfinite_raise_in_last_group(ps, opt):
+    opt.param_groups[1]["nonfinite"] = "raise"
+    ps[-1].grad[3] = float("nan")
+
+
+SPOILERS = {
+    "hyperparameter-in-group-1": (_spoil_hyperparameter, ValueError, r"lr must be >= 0"),
+    "grad-shape-of-last-param": (_spoil_last_grad, ValueError, r"param_groups\[1\]\['params'\]\[1\].*shape \(7,\)"),
+    "sparse-grad-of-last-param": (_spoil_last_grad_sparse, TypeError, r"param_groups\[1\]\['params'\]\[1\].*sparse"),
+    "nonfinite-raise-in-last-group": (_nonfinite_raise_in_last_group, FloatingPointError,
+                                      r"non-finite gradient.*param_groups\[1\]\['params'\]\[1\]"),
+}
+
+
+@pytest.mark.parametrize("spoiler", sorted(SPOILERS))
+@pytest.mark.parametrize("nonfinite", ["propagate", "skip"])
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_validation_errors_raise_before_any_write(cls, nonfinite, spoiler):
+    ps, opt = multi_world(cls, nonfinite=nonfinite)  # atomic=False: nothing to roll back is needed
+    spoil, exc, match = SPOILERS[spoiler]
+    spoil(ps, opt)
+    calls = fail_after(opt, 10**9)  # counts rule calls
+    before = snapshot(ps, opt)
+    with pytest.raises(exc, match=match):
+        opt.step()
+    assert calls == []
+    assert_same(before, snapshot(ps, opt))
+
+
+def test_step_scaled_validates_before_unscaling():
+    """step_scaled multiplies gradients by inv_scale: a bad group must stop it before that."""
+    ps, opt = multi_world(Adam)
+    _spoil_hyperparameter(ps, opt)
+    before = snapshot(ps, opt)
+    with pytest.raises(ValueError, match="lr"):
+        opt.step_scaled(torch.tensor(0.5))
+    assert_same(before, snapshot(ps, opt))
