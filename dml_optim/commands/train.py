@@ -39,44 +39,26 @@ _NOT_MATH = {"backend", "state_dtype", "compute_dtype", "nonfinite", "atomic", "
              "differentiable", "fused", "amsgrad", "decoupled_weight_decay", "initial_accumulator_value"}
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _arg_type(convert, ok, expected: str):
+    """An argparse ``type``: ``convert(text)``, accepted when ``ok(value)``;
+    otherwise the one-line error ``expected <expected>, got '<text>'``."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text!r}")
-    return value
+_positive_int = _arg_type(int, lambda v: v >= 1, "a positive integer")
+_non_negative_int = _arg_type(int, lambda v: v >= 0, "a non-negative integer")
+_positive_float = _arg_type(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+_seed = _arg_type(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
 
 
 def add_parser(sub):
