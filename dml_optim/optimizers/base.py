@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch.optim import Optimizer
 
+from dml_optim.backends import resolve as resolve_backend
 from dml_optim.backends import rule_runner
 from dml_optim.flat import FlatBuffer, Run, describe_param, group_key
 from dml_optim.functional import check_hyperparameter
@@ -284,9 +285,17 @@ class FlatOptimizer(Optimizer):
         n = self._scratch_count(group, gated=flat.device_steps is not None)
         return n + 2 + len(self.state_names) if self._chunked(group, flat) else n
 
-    def _alloc_scratch(self, group, flat: FlatBuffer) -> None:
-        """Scratch for the rule (and, in chunked mode, for the converted operands)."""
-        size = min(flat.numel, CHUNK_ELEMENTS) if self._chunked(group, flat) else flat.numel
+    def _alloc_scratch(self, group, flat: FlatBuffer, full: bool = False) -> None:
+        """Scratch for the rule (and, in chunked mode, for the converted operands).
+
+        Full-size for the eager op chain; one chunk when the rule runs chunked,
+        or compiled (the fused kernel needs none: the chunk only serves the
+        non-finite check).  ``full`` forces full size (compilation fell back).
+        """
+        compact = self._chunked(group, flat) or (
+            not full and resolve_backend(group["backend"], flat.device, flat.numel) == "compiled"
+        )
+        size = min(flat.numel, CHUNK_ELEMENTS) if compact else flat.numel
         cdtype = self._compute_dtype(group, flat)
         flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(self._scratch_total(group, flat))]
 
@@ -619,6 +628,8 @@ class FlatOptimizer(Optimizer):
         names = self.state_names
         operands = [x, flat.grad] + [flat.states[n] for n in names]
         if not self._chunked(group, flat):
+            if getattr(rule, "uses_scratch", True) and flat.scratch and len(flat.scratch[0]) < flat.numel:
+                self._alloc_scratch(group, flat, full=True)  # compiled fell back to eager: once
             if run.start == 0 and run.end == flat.numel:  # the common case: no view ops at all
                 rule(x, flat.grad, [flat.states[n] for n in names], scalars, flat.scratch)
                 return

@@ -1,0 +1,319 @@
+"""The eager and compiled backends (dml_optim/backends.py, dml_optim/compiled.py).
+
+Oracle: the out-of-place ONNX-convention functions of ``dml_optim.functional``
+(``adam``, ``adagrad``, ``momentum``, ``dml_adam``), applied step by step.
+Both backends must follow it within the float32 tolerance of
+``tests/tolerances.py`` over 25 steps with a learning rate that changes every
+step.  Compilation is real (inductor on this machine's C++ compiler); the
+first compile on a fresh machine costs 10-40 s once (inductor's ISA probe), then
+a few seconds per rule.  float64 is not compiled here: it would double the
+compile time of this file for a dtype the eager tests already cover.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import dml_optim
+from dml_optim import backends, compiled
+from dml_optim import functional as F
+from dml_optim.compiled import CompileFallbackWarning
+from tolerances import assert_close
+
+COMPILE_OK, COMPILE_WHY = compiled.compile_available("cpu")
+needs_compiler = pytest.mark.skipif(not COMPILE_OK, reason=f"torch.compile unavailable on this CPU: {COMPILE_WHY}")
+
+SHAPES = [(17, 5), (33,), (4, 3, 2)]
+STEPS = 25
+
+
+def _lr(step: int, base: float) -> float:
+    """A schedule that changes the learning rate every step."""
+    return base * (0.5 + 0.5 * (0.93**step))
+
+
+# Each case: optimizer class, hyperparameters, and one oracle step
+# ``oracle(hp, lr, completed_steps, X, G, states) -> (X_new, states_new)``.
+
+def _adam_oracle(hp, lr, k, X, G, S):
+    n = len(X)
+    out = F.adam(lr, k + 1, *X, *G, *S[0], *S[1], alpha=hp["alpha"], beta=hp["beta"], epsilon=hp["epsilon"],
+                 norm_coefficient=hp["norm_coefficient"], norm_coefficient_post=hp["norm_coefficient_post"])
+    return list(out[:n]), [list(out[n : 2 * n]), list(out[2 * n :])]
+
+
+def _dml_adam_oracle(hp, lr, k, X, G, S):
+    res = [F.dml_adam(x, m, v, g, k + 1, learning_rate=lr, beta1=hp["beta1"], beta2=hp["beta2"], epsilon=hp["epsilon"])
+           for x, m, v, g in zip(X, S[0], S[1], G)]
+    return [r[0] for r in res], [[r[1] for r in res], [r[2] for r in res]]
+
+
+def _adagrad_oracle(hp, lr, k, X, G, S):
+    n = len(X)
+    out = F.adagrad(lr, k, *X, *G, *S[0], decay_factor=hp["decay_factor"], epsilon=hp["epsilon"],
+                    norm_coefficient=hp["norm_coefficient"])
+    return list(out[:n]), [list(out[n:])]
+
+
+def _momentum_oracle(hp, lr, k, X, G, S):
+    n = len(X)
+    out = F.momentum(lr, k, *X, *G, *S[0], alpha=hp["alpha"], beta=hp["beta"], mode=hp["mode"],
+                     norm_coefficient=hp["norm_coefficient"])
+    return list(out[:n]), [list(out[n:])]
+
+
+CASES = {
+    "adam-norm": (dml_optim.Adam, dict(lr=1e-2, alpha=0.9, beta=0.99, epsilon=1e-6, norm_coefficient=0.01,
+                                       norm_coefficient_post=1e-3), _adam_oracle),
+    "dml-adam": (dml_optim.DmlAdam, dict(lr=1e-2, beta1=0.8, beta2=0.995, epsilon=1e-7), _dml_adam_oracle),
+    "adagrad-decay": (dml_optim.Adagrad, dict(lr=5e-2, decay_factor=0.05, epsilon=1e-10, norm_coefficient=0.02),
+                      _adagrad_oracle),
+    "momentum-standard": (dml_optim.Momentum, dict(lr=1e-2, alpha=0.9, beta=0.8, mode="standard", norm_coefficient=0.01),
+                          _momentum_oracle),
+    "momentum-nesterov": (dml_optim.Momentum, dict(lr=1e-2, alpha=0.9, beta=1.0, mode="nesterov", norm_coefficient=0.0),
+                          _momentum_oracle),
+}
+
+
+def _params(seed: int = 1) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _run_against_oracle(name: str, backend: str) -> dml_optim.FlatOptimizer:
+    cls, hp, oracle = CASES[name]
+    params = _params()
+    opt = cls(params, **hp, backend=backend)
+    X = [p.detach().clone() for p in params]
+    S = [[torch.zeros_like(x) for x in X] for _ in cls.state_names]
+    gen = torch.Generator().manual_seed(2)
+    for k in range(STEPS):
+        lr = _lr(k, hp["lr"])
+        opt.param_groups[0]["lr"] = lr
+        G = [torch.randn(s, generator=gen) for s in SHAPES]
+        for p, g in zip(params, G):
+            p.grad = g.clone()
+        opt.step()
+        X, S = oracle(hp, lr, k, X, G, S)
+        for i, (p, x) in enumerate(zip(params, X)):
+            assert_close(p.detach(), x)
+        saved = opt.state_dict()["state"]
+        for name_, states in zip(cls.state_names, S):
+            for i, s in enumerate(states):
+                assert_close(saved[i][name_], s)
+    return opt
+
+
+@pytest.fixture
+def no_fallback_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        yield
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eager_matches_functional(name):
+    opt = _run_against_oracle(name, "eager")
+    assert backends.resolved_backends(opt) == [["eager"]]
+
+
+@pytest.mark.slow
+@needs_compiler
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_matches_functional(name, no_fallback_warnings):
+    opt = _run_against_oracle(name, "compiled")
+    assert backends.resolved_backends(opt) == [["compiled"]]
+    assert compiled.fell_back(opt) is None
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_no_recompilation_with_a_scheduler(no_fallback_warnings):
+    hp = CASES["adam-norm"][1]  # same constants as the agreement test: its graph is reused
+    params = _params()
+    opt = dml_optim.Adam(params, **hp, backend="compiled")
+    ref_params = _params()
+    ref = dml_optim.Adam(ref_params, **hp, backend="eager")
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.97**s) for o in (opt, ref)]
+    gen = torch.Generator().manual_seed(3)
+
+    def step():
+        G = [torch.randn(s, generator=gen) for s in SHAPES]
+        for ps in (params, ref_params):
+            for p, g in zip(ps, G):
+                p.grad = g.clone()
+        for o, s in zip((opt, ref), scheds):
+            o.step()
+            s.step()
+
+    for _ in range(2):  # warm-up: compiles (or loads) the graph
+        step()
+    frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+    lrs = set()
+    for _ in range(12):
+        lrs.add(opt.param_groups[0]["lr"])
+        step()
+    assert len(lrs) == 12  # the scheduler really changed lr every step
+    assert counters["frames"]["total"] == frames, "dynamo compiled a new frame after warm-up"
+    assert counters["stats"]["unique_graphs"] == graphs, "a new graph was compiled after warm-up"
+    for p, r in zip(params, ref_params):  # ... and the new lr values were used
+        assert_close(p.detach(), r.detach())
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_compiled_skip_on_overflow_matches_eager(no_fallback_warnings):
+    """The gated path (0-d tensor constants) compiles too, and an overflow changes nothing."""
+    runs = {}
+    for backend in ("eager", "compiled"):
+        params = _params()
+        opt = dml_optim.Adam(params, lr=1e-2, backend=backend, nonfinite="skip")
+        gen = torch.Generator().manual_seed(4)
+        for k in range(6):
+            G = [torch.randn(s, generator=gen) for s in SHAPES]
+            if k == 3:
+                G[1][5] = float("inf")
+                before = [p.detach().clone() for p in params]
+            for p, g in zip(params, G):
+                p.grad = g.clone()
+            opt.step()
+            if k == 3:
+                for p, b in zip(params, before):
+                    assert torch.equal(p.detach(), b)
+        runs[backend] = [p.detach().clone() for p in params]
+        if backend == "compiled":
+            assert backends.resolved_backends(opt) == [["compiled"]]
+    for c, e in zip(runs["compiled"], runs["eager"]):
+        assert_close(c, e)
+
+
+@pytest.fixture
+def isolated_cache(monkeypatch):
+    """A private compile cache, so an injected failure cannot leak into other tests."""
+    monkeypatch.setattr(compiled, "_CACHE", {})
+    monkeypatch.setattr(compiled, "_BROKEN", {})
+    monkeypatch.setattr(compiled, "_RUNNERS", weakref.WeakKeyDictionary())
+
+
+def _steps(opt, params, n, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+def test_compile_failure_falls_back_with_one_warning(monkeypatch, isolated_cache):
+    calls = []
+
+    def broken_compile(fn, **kwargs):
+        def raising(*args, **kw):
+            calls.append(1)
+            raise RuntimeError("injected inductor failure")
+        return raising
+
+    monkeypatch.setattr(compiled, "_torch_compile", broken_compile)
+    monkeypatch.setattr(compiled, "compile_available", lambda device_type: (True, ""))
+    params, ref_params = _params(), _params()
+    opt = dml_optim.Adam(params, lr=1e-2, backend="compiled")
+    ref = dml_optim.Adam(ref_params, lr=1e-2, backend="eager")
+    with pytest.warns(CompileFallbackWarning, match="injected inductor failure") as record:
+        _steps(opt, params, 5)
+    assert len([w for w in record if issubclass(w.category, CompileFallbackWarning)]) == 1
+    assert calls == [1]  # tried once, then eager for good
+    assert "injected inductor failure" in compiled.fell_back(opt)
+    assert backends.resolved_backends(opt) == [["eager"]]
+    _steps(ref, ref_params, 5)
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p.detach(), r.detach())  # the fallback is exactly the eager rule
+
+    # a second optimizer does not retry the broken key, but is told once too
+    params2 = _params()
+    opt2 = dml_optim.Adam(params2, lr=1e-2, backend="compiled")
+    with pytest.warns(CompileFallbackWarning, match="injected inductor failure"):
+        _steps(opt2, params2, 2)
+    assert calls == [1]
+
+
+def test_compile_unavailable_falls_back_with_one_warning(monkeypatch, isolated_cache):
+    monkeypatch.setattr(compiled, "compile_available", lambda device_type: (False, "no C++ compiler found (test)"))
+    params = _params()
+    opt = dml_optim.Momentum(params, lr=1e-2, backend="compiled")
+    with pytest.warns(CompileFallbackWarning, match="no C.. compiler found") as record:
+        _steps(opt, params, 3)
+    assert len([w for w in record if issubclass(w.category, CompileFallbackWarning)]) == 1
+    assert backends.resolve("compiled", "cpu", 1 << 30) == "eager"
+    assert backends.resolve("auto", "cpu", 1 << 30) == "eager"
+
+
+def test_auto_is_eager_for_small_buffers_and_directml():
+    small = backends.AUTO_COMPILE_MIN_ELEMENTS["cpu"] - 1
+    assert backends.resolve("auto", "cpu", small) == "eager"
+    assert backends.resolve("auto", torch.device("cpu"), 4522) == "eager"  # tiny-mlp
+    assert backends.resolve("auto", "privateuseone:0", 1 << 30) == "eager"
+    assert backends.resolve("auto", torch.device("privateuseone", 0), 1 << 30) == "eager"
+    assert backends.resolve("compiled", "privateuseone:0", 1 << 30) == "eager"
+    assert backends.resolve("eager", "cpu", 1 << 30) == "eager"
+    big = backends.AUTO_COMPILE_MIN_ELEMENTS["cpu"]
+    assert backends.resolve("auto", "cpu", big) == ("compiled" if COMPILE_OK else "eager")
+    assert backends.resolve("compiled", "cpu", 10) == ("compiled" if COMPILE_OK else "eager")
+    with pytest.raises(ValueError, match="backend must be one of .*'fast'"):
+        backends.resolve("fast", "cpu", 10)
+
+
+def test_auto_keeps_small_models_eager():
+    params = _params()
+    opt = dml_optim.Adam(params, lr=1e-3)  # backend="auto" is the default
+    _steps(opt, params, 2)
+    assert backends.resolved_backends(opt) == [["eager"]]
+
+
+def test_compiled_on_directml_warns_once_and_runs_eager(isolated_cache):
+    params = _params()
+    opt = dml_optim.Adam(params, lr=1e-3, backend="compiled")
+    fake_flat = types.SimpleNamespace(device=torch.device("privateuseone", 0), numel=1 << 20)
+    with pytest.warns(CompileFallbackWarning, match="privateuseone"):
+        runner = backends.rule_runner(opt, opt.param_groups[0], fake_flat)
+    assert runner == opt._rule
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        assert backends.rule_runner(opt, opt.param_groups[0], fake_flat) == opt._rule
+
+
+def _aten_compute_events(step) -> list[str]:
+    """Names of the aten ops a step runs on the host, as the profiler records them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return [e.name for e in prof.events() if e.name in ("aten::sqrt", "aten::addcdiv_", "aten::addcmul_", "aten::div")]
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_a_dispatch_mode_sees_eager_ops_and_leaves_the_compiled_kernel_intact(no_fallback_warnings):
+    """Under a TorchDispatchMode the rule runs eager (the mode sees its ops); afterwards
+    the fused kernel runs again (dynamo would otherwise skip the frame for good)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    hp = CASES["adam-norm"][1]
+    params = _params()
+    opt = dml_optim.Adam(params, **hp, backend="compiled")
+    _steps(opt, params, 2)
+    assert _aten_compute_events(opt.step) == []  # the compiled kernel: no aten compute ops
+
+    seen = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        opt.step()
+    assert "aten.sqrt" in seen and "aten.addcmul_" in seen
+    assert _aten_compute_events(opt.step) == []  # still compiled after the mode
