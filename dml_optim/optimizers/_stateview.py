@@ -91,11 +91,12 @@ class StateView(MutableMapping):
         raise TypeError("optimizer.state entries cannot be deleted: the states live in flat buffers")
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for group, flats in zip(self._opt.param_groups, self._opt._flats):
+        for flats in self._opt._flats:
             for flat in flats:
-                for i, p in enumerate(flat.params):
-                    if self._opt._param_state(group, flat, i):
-                        yield p
+                if not flat.states:
+                    continue
+                steps = self._opt._step_counts(flat)
+                yield from (p for p, n in zip(flat.params, steps) if n)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

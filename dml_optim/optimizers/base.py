@@ -17,14 +17,17 @@ from :mod:`dml_optim.functional`; this class does the rest:
 * non-finite gradients: ``nonfinite="propagate"`` (like torch.optim),
   ``"skip"`` (detected and skipped on the device: no host sync) or
   ``"raise"`` (one host sync); the skip path is the same gate the loss scaler
-  uses (:meth:`FlatOptimizer._step_gated`).
+  uses (:meth:`FlatOptimizer.step_scaled`, :meth:`FlatOptimizer._plan_updates`);
+* a step is planned completely (validation, gradient gathering, coefficients)
+  before its commit runs only kernels; ``atomic=True`` also rolls back a
+  failure inside the kernels.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -57,7 +60,6 @@ class _Update:
     run: Run
     scalars: dict
     finite: torch.Tensor | None
-    has_grad: list
 
 
 _CONSTANTS: dict[tuple, torch.Tensor] = {}
@@ -93,7 +95,7 @@ class FlatOptimizer(Optimizer):
     step_offset: int = 0
     #: Coefficients that make a step an exact no-op when gated (skip on overflow).
     skip_identity: dict[str, float] = {}
-    #: Extra ``dml_optim`` options stored in each param group.
+    #: dml_optim's own options stored in each param group (not hyperparameters).
     _options = ("backend", "state_dtype", "compute_dtype", "master_weights", "nonfinite")
 
     def __init__(
@@ -491,7 +493,7 @@ class FlatOptimizer(Optimizer):
         """
         if finite is None and flat.device_steps is None:
             updates = [
-                _Update(group, flat, run, self._scalars(group, T + self.step_offset), None, has_grad)
+                _Update(group, flat, run, self._scalars(group, T + self.step_offset), None)
                 for (active, T), run in self._runs(flat, has_grad, flat.steps)
                 if active
             ]
@@ -515,7 +517,7 @@ class FlatOptimizer(Optimizer):
             scalars = self._scalars(group, T)
             if finite is not None:
                 scalars = self._gate(scalars, finite, coef_dtype)
-            updates.append(_Update(group, flat, run, scalars, finite, has_grad))
+            updates.append(_Update(group, flat, run, scalars, finite))
         return updates
 
     def _check_range(self, group, flat: FlatBuffer, scalars: dict[str, Any]) -> None:
@@ -672,10 +674,16 @@ class FlatOptimizer(Optimizer):
 
     # -- state dict ------------------------------------------------------------
 
-    def _param_state(self, group, flat: FlatBuffer, i: int) -> dict[str, Any]:
+    @staticmethod
+    def _step_counts(flat: FlatBuffer) -> list[int]:
+        """Completed steps per parameter (a host sync when the counters are on the device)."""
+        return flat.device_steps.tolist() if flat.device_steps is not None else flat.steps
+
+    def _param_state(self, group, flat: FlatBuffer, i: int, steps: list[int] | None = None) -> dict[str, Any]:
+        """Parameter ``i``'s state as torch.optim shows it (views of the flat buffers)."""
         if not flat.states:
             return {}
-        steps = flat.device_steps.tolist() if flat.device_steps is not None else flat.steps
+        steps = self._step_counts(flat) if steps is None else steps
         if steps[i] == 0:
             return {}
         state: dict[str, Any] = {"step": torch.tensor(float(steps[i]), dtype=torch.float64)}  # exact to 2**53
@@ -699,12 +707,13 @@ class FlatOptimizer(Optimizer):
         for group, flats in zip(self.param_groups, self._flats):
             where = {}
             for flat in flats:
+                steps = self._step_counts(flat)  # once per buffer: one sync at most
                 for i, gi in enumerate(flat.indices):
-                    where[gi] = (flat, i)
+                    where[gi] = (flat, i, steps)
             ids = []
             for gi in range(len(group["params"])):
-                flat, i = where[gi]
-                s = self._param_state(group, flat, i)
+                flat, i, steps = where[gi]
+                s = self._param_state(group, flat, i, steps)
                 if s:
                     state[index] = s
                 ids.append(index)
