@@ -116,3 +116,19 @@ def test_parameters_rebound_into_a_foreign_buffer_in_our_layout_are_adopted():
     opt.step()
     assert torch.equal(bucket, expected)  # the foreign buffer itself was updated
     assert opt._flats[0][0].data.data_ptr() == bucket.data_ptr()
+
+
+def test_unmarked_state_dict_with_our_names_keeps_our_hyperparameters():
+    """A dict without the dml_optim marker but with our hyperparameter names (what
+    torch.optim.Optimizer.state_dict writes over our groups, e.g. a bare ZeRO
+    state_dict) must not silently fall back to the constructor's values."""
+    src = [torch.nn.Parameter(torch.randn(3))]
+    opt = dml_optim.Adam(src, lr=0.01, alpha=0.8, beta=0.95, norm_coefficient=0.1)
+    src[0].grad = torch.ones(3)
+    opt.step()
+    sd = torch.optim.Optimizer.state_dict(opt)  # torch's own writer: no "dml_optim" key
+    assert "dml_optim" not in sd
+    fresh = dml_optim.Adam([torch.nn.Parameter(torch.randn(3))], lr=1.0)
+    fresh.load_state_dict(sd)
+    group = fresh.param_groups[0]
+    assert (group["lr"], group["alpha"], group["beta"], group["norm_coefficient"]) == (0.01, 0.8, 0.95, 0.1)

@@ -11,6 +11,9 @@ Two layouts load:
   beta`` or ``beta1, beta2``; ``weight_decay`` → ``norm_coefficient``; for
   Adagrad ``lr_decay``/``eps``; for SGD ``momentum``/``dampening``/``nesterov``).
   torch's Adam ``eps`` is *not* mapped: it is added at a different place.
+  Our own hyperparameter names, when present in such a dict (torch.optim's
+  ``Optimizer.state_dict`` over our param groups, e.g. a bare
+  ``ZeroRedundancyOptimizer.state_dict()``), are read as they are.
   Flags with no equivalent here are refused when set (``maximize``,
   ``amsgrad``, ``decoupled_weight_decay``), never silently dropped.  A
   ``torch.optim.SGD`` state has no ``step``; a ``momentum_buffer`` means at
@@ -167,6 +170,12 @@ def _group_updates(opt, group, saved: dict, gi: int, version: int) -> dict[str, 
     except (TypeError, ValueError) as exc:
         _fail(f"param_groups[{gi}]: cannot read torch.optim hyperparameters: {exc}", type(exc))
     updates["lr"] = saved.get("lr", group["lr"])
+    # our own names, when present, win: a dict without the marker written by
+    # torch.optim's Optimizer.state_dict over our groups (a bare ZeRO state_dict)
+    # holds them, and none of them means something else in torch.optim
+    for key in set(opt.defaults) - set(opt._options) - {"lr"}:
+        if key in saved:
+            updates[key] = saved[key]
     for key in SCHEDULER_KEYS & saved.keys():
         updates[key] = saved[key]
     return updates
