@@ -73,6 +73,7 @@ __all__ = [
     "MOMENTUM_MODES",
     "check_hyperparameter",
     "check_float_tensor",
+    "check_like",
 ]
 
 #: A per-step scalar: a Python number or a 0-d tensor.
@@ -170,14 +171,18 @@ def _split(inputs: Sequence, groups: int, names: Sequence[str]) -> list[list[tor
             check_float_tensor(f"{name}[{i}]", t)
     for i, x in enumerate(parts[0]):
         for name, part in zip(names[1:], parts[1:]):
-            other = part[i]
-            if other.shape != x.shape:
-                raise ValueError(f"{name}[{i}] has shape {tuple(other.shape)}, but {names[0]}[{i}] has shape {tuple(x.shape)}")
-            if other.dtype != x.dtype:
-                raise TypeError(f"{name}[{i}] has dtype {other.dtype}, but {names[0]}[{i}] has dtype {x.dtype}")
-            if other.device != x.device:
-                raise ValueError(f"{name}[{i}] is on {other.device}, but {names[0]}[{i}] is on {x.device}")
+            check_like(f"{name}[{i}]", part[i], f"{names[0]}[{i}]", x)
     return parts
+
+
+def check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """Raise unless ``t`` has ``ref``'s shape (ValueError), dtype (TypeError) and device (ValueError)."""
+    if t.shape != ref.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, but {ref_name} has shape {tuple(ref.shape)}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}, but {ref_name} has dtype {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device}, but {ref_name} is on {ref.device}")
 
 
 # --------------------------------------------------------------------------

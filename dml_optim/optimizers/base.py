@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from dml_optim.backends import resolve as resolve_backend
 from dml_optim.backends import rule_runner
 from dml_optim.flat import FlatBuffer, Run, describe_param, group_key
-from dml_optim.functional import check_hyperparameter
+from dml_optim.functional import check_hyperparameter, check_like
 from dml_optim.optimizers._stateview import StateView
 
 __all__ = ["FlatOptimizer", "BACKENDS", "NONFINITE_MODES", "STATE_DICT_FORMAT_VERSION", "CHUNK_ELEMENTS"]
@@ -433,15 +433,10 @@ class FlatOptimizer(Optimizer):
 
     def _check_grad(self, flat: FlatBuffer, i: int, group_index: int) -> None:
         p, grad = flat.params[i], flat.params[i].grad
-        name = f"grad of {describe_param(p, flat.indices[i], group_index)}"
+        where = describe_param(p, flat.indices[i], group_index)
         if grad.is_sparse:
-            raise TypeError(f"{name} is sparse; dml_optim supports dense gradients only")
-        if grad.shape != p.shape:
-            raise ValueError(f"{name} has shape {tuple(grad.shape)}")
-        if grad.dtype != p.dtype:
-            raise TypeError(f"{name} has dtype {grad.dtype}")
-        if grad.device != p.device:
-            raise ValueError(f"{name} is on {grad.device}")
+            raise TypeError(f"grad of {where} is sparse; dml_optim supports dense gradients only")
+        check_like(f"grad of {where}", grad, "the parameter", p)
 
     def _runs(self, flat: FlatBuffer, has_grad: list[bool], steps: list) -> list[tuple[Any, Run]]:
         if all(has_grad) and all(s == steps[0] for s in steps):
