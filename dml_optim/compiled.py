@@ -241,6 +241,11 @@ def runner_for(opt, flat) -> "CompiledRunner":
     return runner
 
 
+def _denormals_flushed() -> bool:
+    """True when this thread flushes subnormal floats to zero (x86 FTZ/DAZ)."""
+    return sys.float_info.min * 0.5 == 0.0
+
+
 class CompiledRunner:
     """Calls the compiled rule; a ``Runner`` ``(x, g, states, scalars, scratch) -> None``.
 
@@ -292,8 +297,14 @@ class CompiledRunner:
             self.rule(opt, x, g, states, scalars, scratch)
             return
         fn = compiled_rule(self.rule, x.dtype, self.device.type, gated=gated)
+        flushed = _denormals_flushed()
         try:
             self._invoke(fn, opt, x, g, list(states), args, [None] * len(scratch))
+            if not flushed and _denormals_flushed():
+                # torch 2.4's inductor builds CPU kernels with -ffast-math; with gcc < 13 that
+                # links crtfastmath.o, whose constructor turns on flush-to-zero for the loading
+                # thread: the caller's floating-point semantics must not change behind its back
+                torch.set_flush_denormal(False)
         except Exception as exc:  # compile errors surface at the first call
             reason = f"compilation failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
             _BROKEN[key] = reason

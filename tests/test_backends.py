@@ -317,3 +317,22 @@ def test_a_dispatch_mode_sees_eager_ops_and_leaves_the_compiled_kernel_intact(no
         opt.step()
     assert "aten.sqrt" in seen and "aten.addcmul_" in seen
     assert _aten_compute_events(opt.step) == []  # still compiled after the mode
+
+
+@pytest.mark.slow
+def test_a_compiled_step_leaves_the_callers_denormal_mode_alone():
+    """torch 2.4's inductor compiles CPU kernels with -ffast-math; with gcc < 13 loading one
+    turned on flush-to-zero for the whole thread (found with torch 2.4.1 + gcc 12: every
+    later float op flushed subnormals).  The compiled runner restores the caller's mode."""
+    import sys
+
+    def flushed() -> bool:
+        return sys.float_info.min * 0.5 == 0.0
+
+    assert not flushed()
+    p = torch.nn.Parameter(torch.randn(1000))
+    p.grad = torch.randn(1000)
+    opt = dml_optim.Adam([p], backend="compiled")
+    opt.step()
+    opt.step()
+    assert not flushed()

@@ -55,5 +55,8 @@ def test_real_plugin_with_library_path_fails_at_device_count():
     dml = _directml(info)
     if dml["usable"]:
         pytest.skip("a real DirectML device is present here (Windows/WSL): the failure path cannot be exercised")
-    assert "device_count() failed: RuntimeError" in dml["reason"]
+    # torch-directml 0.2.5 either raises "Unknown error <garbage>" or segfaults here
+    # (measured: 4 crashes in 6 runs); both must read as unavailable
+    assert ("device_count() failed: RuntimeError" in dml["reason"]
+            or "crashed the probe process (SIGSEGV)" in dml["reason"]), dml["reason"]
     assert info["device"] in ("cpu", "cuda", "cuda:0")
