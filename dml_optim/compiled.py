@@ -280,7 +280,7 @@ class CompiledRunner:
                  scalars: dict[str, Any], scratch: Sequence[torch.Tensor]) -> None:
         opt = self.opt_ref()
         if opt is None or opt in _FALLEN_BACK or _is_compiling() or _dispatch_mode_active():
-            self.rule(opt, x, g, states, scalars, scratch)
+            self._eager(opt, x, g, states, scalars, scratch)
             return
         coef_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         args = {}
@@ -294,7 +294,7 @@ class CompiledRunner:
         key = (self.rule, x.dtype, self.device.type, gated)
         if key in _BROKEN:
             fall_back(opt, self.device, _BROKEN[key])
-            self.rule(opt, x, g, states, scalars, scratch)
+            self._eager(opt, x, g, states, scalars, scratch)
             return
         fn = compiled_rule(self.rule, x.dtype, self.device.type, gated=gated)
         flushed = _denormals_flushed()
@@ -309,7 +309,14 @@ class CompiledRunner:
             reason = f"compilation failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
             _BROKEN[key] = reason
             fall_back(opt, self.device, reason)
-            self.rule(opt, x, g, states, scalars, scratch)
+            self._eager(opt, x, g, states, scalars, scratch)
+
+    def _eager(self, opt, x, g, states, scalars, scratch) -> None:
+        """The eager rule; a compiled buffer's scratch is one chunk, too small for it,
+        so the rule then allocates its temporaries (correct, if not allocation free)."""
+        if scratch and scratch[0] is not None and scratch[0].numel() < x.numel():
+            scratch = [None] * len(scratch)
+        self.rule(opt, x, g, states, scalars, scratch)
 
     def _invoke(self, fn, opt, x, g, states, args, scratch) -> None:
         """Run the compiled graph: one fused kernel (the op-counting hook of the benchmark)."""

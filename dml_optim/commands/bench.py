@@ -60,6 +60,11 @@ def run(args) -> int:
             raise UsageError(f"--workloads: {exc}") from None
     if args.out is not None and args.out.is_dir():
         raise UsageError(f"--out: '{args.out}' is a directory; give a file name")
+    if args.out is not None:
+        try:  # before the measurements, not after them
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--out: cannot write '{args.out}' ({exc.strerror or exc})") from None
     doc = benchmark.run_benchmark(device=args.device, quick=args.quick, optimizers=args.optimizers,
                                   workloads=args.workloads, log=lambda m: print(m, file=sys.stderr, flush=True))
     out = args.out or benchmark.default_output_path(args.device, quick=args.quick)

@@ -96,13 +96,17 @@ def _check(args) -> tuple[list[str] | None, list[str] | None, dict]:
 
 
 def run(args) -> int:
+    from dml_optim.cli import UsageError
     from dml_optim.precision import compare
 
     streams, configs, hyper = _check(args)
+    out = Path(args.out)
+    try:  # before a long run, not after it
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot use '{args.out}' as the report folder ({exc.strerror or exc})") from None
     report = compare(args.optimizer, steps=args.steps, workload=args.workload, seed=args.seed, streams=streams,
                      configs=configs, hyperparameters=hyper or None, progress=not args.no_progress)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     png = out / "divergence.png"
     plot_note = None
     try:

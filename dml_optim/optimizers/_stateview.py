@@ -16,6 +16,8 @@ mapping whose entries are made on demand:
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Iterator
 
@@ -34,8 +36,11 @@ class ParamStateView(dict):
     def __setitem__(self, key: str, value) -> None:
         opt, group, flat, i = self._where
         if key == "step":
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                raise ValueError(f"state['step'] must be a scalar, got a tensor of shape {tuple(value.shape)}")
             count = value.item() if isinstance(value, torch.Tensor) else value
-            if isinstance(count, bool) or not float(count).is_integer() or count < 0:
+            if (isinstance(count, bool) or not isinstance(count, numbers.Real) or not math.isfinite(count)
+                    or not float(count).is_integer() or count < 0):
                 raise ValueError(f"state['step'] must be a non-negative whole number, got {value!r}")
             opt._ensure_state(group, flat)
             flat.steps[i] = int(count)

@@ -32,7 +32,7 @@ class Adam(FlatOptimizer):
        applied after the update (``AdamW`` decays before, by ``lr * weight_decay``).
 
     State names follow torch.optim (``exp_avg`` = ONNX ``V``, ``exp_avg_sq`` = ONNX ``H``),
-    so state dicts move between this class and ``torch.optim.Adam``.
+    so a ``torch.optim.Adam`` state dict loads into this class (see ``load_state_dict``).
 
     Args:
         params: parameters or param-group dicts.

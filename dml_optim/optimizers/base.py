@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.optim import Optimizer
 
+from dml_optim.backends import BACKEND_CHOICES
 from dml_optim.backends import resolve as resolve_backend
 from dml_optim.backends import rule_runner
 from dml_optim.flat import FlatBuffer, Run, describe_param, group_key
@@ -40,7 +41,7 @@ from dml_optim.optimizers._stateview import StateView
 
 __all__ = ["FlatOptimizer", "BACKENDS", "NONFINITE_MODES", "STATE_DICT_FORMAT_VERSION", "CHUNK_ELEMENTS"]
 
-BACKENDS = ("auto", "eager", "compiled")
+BACKENDS = BACKEND_CHOICES
 NONFINITE_MODES = ("propagate", "skip", "raise")
 #: Version of the layout ``state_dict()`` writes under ``state_dict()["dml_optim"]``.
 #: Version 0 is torch.optim's layout (no ``dml_optim`` key), which still loads.
@@ -399,6 +400,10 @@ class FlatOptimizer(Optimizer):
                     flat.adopt_params(moved)
                 if foreign:
                     flat.gather_grads(foreign)
+                if not all(has_grad):  # slots of None grads may hold an old gradient (inf included)
+                    for active, run in flat.runs(has_grad):
+                        if not active:
+                            flat.grad[run.start : run.end].zero_()
                 self._ensure_state(group, flat)
                 work.append((group, flat, has_grad))
         return work
@@ -458,6 +463,8 @@ class FlatOptimizer(Optimizer):
         ``amax(|g|) < inf`` is false for an inf and for a NaN (amax propagates
         NaN); abs, amax and lt are DirectML-native.
         """
+        if flat.numel == 0:
+            return _device_constant(1.0, torch.float32, flat.device) > 0
         scratch = flat.scratch[0]
         finite = None
         for a in range(0, flat.numel, len(scratch)):
@@ -633,6 +640,8 @@ class FlatOptimizer(Optimizer):
             sl = slice(run.start, run.end)
             scratch = [s[sl] for s in flat.scratch]
             rule(x[sl], flat.grad[sl], [flat.states[n][sl] for n in names], scalars, scratch)
+            return
+        if run.start == run.end:
             return
         n_rule = len(flat.scratch) - len(operands)
         chunk = len(flat.scratch[0])

@@ -132,6 +132,13 @@ class DmlAdam(FlatOptimizer):
         out = []
         for gi, (group, flats) in enumerate(zip(self.param_groups, self._flats)):
             for fi, flat in enumerate(flats):
+                if flat.master is not None or self._state_dtype(group, flat) != flat.dtype:
+                    raise ValueError(
+                        f"param_groups[{gi}] buffer {fi}: parameters are {flat.dtype} but the moments are "
+                        f"{self._state_dtype(group, flat)}{' with master weights' if flat.master is not None else ''}; "
+                        "DirectML's ADAM_OPTIMIZER needs all seven tensors in one data type, so this "
+                        "configuration has no single-operator DirectML form"
+                    )
                 dtype = {torch.float32: "FLOAT32", torch.float16: "FLOAT16"}[flat.dtype]
                 steps = flat.device_steps.tolist() if flat.device_steps is not None else flat.steps
                 prefix = f"param_groups[{gi}].buffer{fi}"
