@@ -326,11 +326,8 @@ class FlatOptimizer(Optimizer):
                 loss = closure()
         work = self._prepare()
         self._raise_if_nonfinite([flat for group, flat, _ in work if group["nonfinite"] == "raise"])
-        finite = None  # one flag for every "skip" buffer: a step is skipped as a whole
-        for group, flat, _ in work:
-            if group["nonfinite"] == "skip":
-                ok = self._finite(flat)
-                finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
+        # one flag for every "skip" buffer: a step is skipped as a whole
+        finite = self._all_finite([flat for group, flat, _ in work if group["nonfinite"] == "skip"])
         updates = [
             u
             for group, flat, has_grad in work
@@ -377,12 +374,9 @@ class FlatOptimizer(Optimizer):
 
     def _unscale(self, work, inv_scale: torch.Tensor) -> torch.Tensor:
         """Unscale the gradients of ``work``; 0-d bool: all of them are finite."""
-        finite = None
         for _, flat, _ in work:
             flat.grad.mul_(inv_scale.to(flat.device))
-            ok = self._finite(flat)
-            finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
-        return finite
+        return self._all_finite([flat for _, flat, _ in work])
 
     def _prepare(self) -> list[tuple[dict, FlatBuffer, list[bool]]]:
         """Validate every group, then gather gradients and allocate states.
@@ -476,6 +470,15 @@ class FlatOptimizer(Optimizer):
                 s.copy_(flat.grad[a:b]).abs_()
             ok = torch.amax(s) < math.inf
             finite = ok if finite is None else finite.logical_and_(ok)
+        return finite
+
+    def _all_finite(self, flats: list[FlatBuffer]) -> torch.Tensor | None:
+        """0-d bool on the first buffer's device: every gradient of ``flats`` is finite
+        (None for no buffers).  No host sync."""
+        finite = None
+        for flat in flats:
+            ok = self._finite(flat)
+            finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
         return finite
 
     # -- plan, then commit: nothing is written before every update is planned --
@@ -609,10 +612,7 @@ class FlatOptimizer(Optimizer):
 
     def _raise_if_nonfinite(self, flats: list[FlatBuffer]) -> None:
         """``nonfinite="raise"``: one host sync per step; names the offending parameters."""
-        finite = None
-        for flat in flats:
-            ok = self._finite(flat)
-            finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
+        finite = self._all_finite(flats)
         if finite is None or bool(finite):
             return
         bad = []
