@@ -12,7 +12,8 @@ import re
 import pytest
 
 from _desc_helpers import corpus_files, read_expect, run_cli
-from dml_optim.dml.tensor_desc import MalformedDescriptor, dumps, load, loads
+from dml_optim.dml.desc import MalformedDescriptor
+from dml_optim.dml.desc_json import dumps, load, loads
 from dml_optim.dml.validate import RULES
 
 FILES = corpus_files()

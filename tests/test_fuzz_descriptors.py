@@ -17,8 +17,10 @@ Example counts come from the hypothesis profile (``ci``: 60 per test;
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -133,38 +135,97 @@ def type_swap(value, choice: int):
     return options[choice % len(options)]
 
 
+#: What each kind of mutation draws: the swap choice, the odd value, the (key, value) added, the factor.
+MUTATIONS = {
+    "swap": st.integers(0, 5),
+    "odd": ODD_VALUES,
+    "delete": st.none(),
+    "extra": st.tuples(st.sampled_from(["Extra", "Sizes", "DataType", "Buffer", "", "DimensionCount", "\u00e9"]),
+                       ODD_VALUES),
+    "scale": st.sampled_from([2**70, 2**32, 1e300, 1e-300, 0.5, 3]),
+    "negate": st.none(),
+    "nest": st.none(),
+}
+
+
+def scaled(value, factor):
+    """``value * factor``; an int too large for a float times a float is the exact product, rounded to an int.
+
+    (``10**400 * 1e300`` converts the int to a float first and raises OverflowError.)
+    """
+    try:
+        return value * factor
+    except OverflowError:
+        return round(Fraction(value) * Fraction(factor))
+
+
+def mutate(obj, path, kind: str, arg):
+    """``obj`` with one mutation of ``kind`` (a key of MUTATIONS) at ``path``; never raises.
+
+    Drawn values are deep-copied, so that mutating them later in the same
+    example never changes ODD_VALUES (which would make hypothesis's data
+    generation depend on earlier examples).
+    """
+    target = get(obj, path)
+    number = isinstance(target, (int, float)) and not isinstance(target, bool)
+    if kind == "swap":
+        return set_at(obj, path, type_swap(target, arg))
+    if kind == "odd":
+        return set_at(obj, path, copy.deepcopy(arg))
+    if kind == "delete" and path:
+        del get(obj, path[:-1])[path[-1]]
+    elif kind == "extra" and isinstance(target, dict):
+        key, value = arg
+        target[key] = copy.deepcopy(value)
+    elif kind == "scale" and number:
+        return set_at(obj, path, scaled(target, arg))
+    elif kind == "negate" and number:
+        return set_at(obj, path, -target if target else -1)
+    elif kind == "nest":
+        return set_at(obj, path, [[[[target]]]])
+    return obj
+
+
+def encode(obj) -> bytes:
+    return json.dumps(obj, allow_nan=True).encode("utf-8", "surrogatepass")
+
+
 @st.composite
 def mutated_json(draw):
     name = draw(st.sampled_from(sorted(PARSED)))
     obj = json.loads(json.dumps(PARSED[name]))  # a deep copy
     for _ in range(draw(st.integers(1, 4))):
-        all_paths = list(paths(obj))
-        path = draw(st.sampled_from(all_paths))
-        kind = draw(st.sampled_from(["swap", "odd", "delete", "extra", "scale", "negate", "nest"]))
-        target = get(obj, path)
-        if kind == "swap":
-            obj = set_at(obj, path, type_swap(target, draw(st.integers(0, 5))))
-        elif kind == "odd":
-            obj = set_at(obj, path, draw(ODD_VALUES))
-        elif kind == "delete" and path:
-            parent = get(obj, path[:-1])
-            del parent[path[-1]]
-        elif kind == "extra" and isinstance(target, dict):
-            key = draw(st.sampled_from(["Extra", "Sizes", "DataType", "Buffer", "", "DimensionCount", "\u00e9"]))
-            target[key] = draw(ODD_VALUES)
-        elif kind == "scale" and isinstance(target, (int, float)) and not isinstance(target, bool):
-            obj = set_at(obj, path, target * draw(st.sampled_from([2**70, 2**32, 1e300, 1e-300, 0.5, 3])))
-        elif kind == "negate" and isinstance(target, (int, float)) and not isinstance(target, bool):
-            obj = set_at(obj, path, -target if target else -1)
-        elif kind == "nest":
-            obj = set_at(obj, path, [[[[target]]]])
-    return json.dumps(obj, allow_nan=True).encode("utf-8", "surrogatepass")
+        path = draw(st.sampled_from(list(paths(obj))))
+        kind = draw(st.sampled_from(list(MUTATIONS)))
+        obj = mutate(obj, path, kind, draw(MUTATIONS[kind]))
+    return encode(obj)
 
 
 @FUZZ
 @given(raw=mutated_json())
 def test_structural_mutations_have_only_the_three_outcomes(raw, tmp_path, capsys):
     check(raw, tmp_path, capsys)
+
+
+def test_huge_integer_scaled_by_a_float_is_built_and_malformed(tmp_path, capsys):
+    """The input that crashed the mutation code: Sizes[3] = 10**400, scaled by 2**70, then by 1e300."""
+    obj = json.loads(json.dumps(PARSED["valid-minimal.json"]))
+    path = ("InputParametersTensor", "Sizes", 3)
+    for kind, arg in [("odd", 10**400), ("scale", 2**70), ("scale", 1e300)]:
+        obj = mutate(obj, path, kind, arg)
+    assert get(obj, path) == round(Fraction(10**400 * 2**70) * Fraction(1e300))
+    assert check(encode(obj), tmp_path, capsys) == 2  # a size above UINT32
+
+
+def test_mutations_never_change_the_drawn_values():
+    odd = {"Sizes": [1]}
+    obj = json.loads(json.dumps(PARSED["valid-minimal.json"]))
+    obj = mutate(obj, ("InputParametersTensor",), "odd", odd)
+    obj = mutate(obj, ("InputParametersTensor", "Sizes", 0), "scale", 3)
+    obj = mutate(obj, ("GradientTensor",), "extra", ("Sizes", odd))
+    obj = mutate(obj, ("GradientTensor", "Sizes", "Sizes", 0), "negate", None)
+    assert obj["InputParametersTensor"] == {"Sizes": [3]} and obj["GradientTensor"]["Sizes"] == {"Sizes": [-1]}
+    assert odd == {"Sizes": [1]}
 
 
 @st.composite

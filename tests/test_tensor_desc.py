@@ -17,22 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _desc_helpers import TENSORS, base_dict, mutated
-from dml_optim.dml.tensor_desc import (
-    AdamOptimizerDesc,
-    Binding,
-    MalformedDescriptor,
-    TensorDesc,
-    adam_descriptor,
-    calc_buffer_tensor_size,
-    describe_tensor,
-    dml_sizes,
-    dump,
-    dumps,
-    from_dict,
-    load,
-    loads,
-    split_for_dml,
-)
+from dml_optim.dml.builder import adam_descriptor, split_for_dml
+from dml_optim.dml.desc import AdamOptimizerDesc, Binding, MalformedDescriptor, TensorDesc, calc_buffer_tensor_size
+from dml_optim.dml.desc_json import dump, dumps, from_dict, load, loads
+from dml_optim.dml.torch_bridge import describe_tensor, dml_sizes
 from dml_optim.dml.validate import validate
 
 HYPER = dict(learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, training_step=1)

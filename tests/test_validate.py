@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _desc_helpers import DATA_TENSORS, DESIGN_RULES, TENSORS, base_dict, mutated
-from dml_optim.dml.tensor_desc import MalformedDescriptor, from_dict, loads
+from dml_optim.dml.desc import MalformedDescriptor
+from dml_optim.dml.desc_json import from_dict, loads
 from dml_optim.dml.validate import FEATURE_LEVELS, RULES, Report, Violation, validate
 
 
@@ -105,7 +106,8 @@ RULE_CASES = {
     "training-step-zero": (mutated(BASE, TrainingStepValue=0), mutated(BASE, TrainingStepValue=1)),
     "epsilon-underflow": (
         mutated(FP16, Epsilon=2.0**-25),
-        mutated(FP16, Epsilon=float(np.nextafter(2.0**-25, 1.0))),
+        # the next FLOAT (float32) above 2^-25: FP16 rounds it to 2^-24
+        mutated(FP16, Epsilon=float(np.nextafter(np.float32(2.0**-25), np.float32(1.0)))),
     ),
 }
 
@@ -258,6 +260,46 @@ def test_alias_rules():
     assert validate(mutated(BASE, **{"Bindings.GradientTensor.Buffer": "weights"})).valid
     # different buffers never overlap
     assert validate(mutated(BASE, **{"Bindings.OutputFirstMomentTensor.Buffer": "elsewhere"})).valid
+
+
+def test_alias_output_at_input_offset_with_a_different_size():
+    """Same Offset as the input but another Size is not an identical range, so not in place."""
+    for size in (8192, 4112):  # a larger output range
+        [v] = validate(mutated(BASE, **{"Bindings.OutputParametersTensor.Size": size})).violations
+        assert (v.field, v.rule) == ("Bindings.OutputParametersTensor", "alias")
+        assert f"(weights [0, {size})) overlaps Bindings.InputParametersTensor (weights [0, 4096))" in v.message
+        assert "identical ranges" in v.message
+    # a larger input range
+    assert _fields(mutated(BASE, **{"Bindings.InputParametersTensor.Size": 8192})) == [
+        ("Bindings.OutputParametersTensor", "alias")
+    ]
+    # the same larger Size on both sides is identical (a binding may be larger than TotalTensorSizeInBytes)
+    same = {"Bindings.OutputParametersTensor.Size": 8192, "Bindings.InputParametersTensor.Size": 8192}
+    assert validate(mutated(BASE, **same)).valid
+
+
+def test_output_overlap_compares_writable_areas():
+    """BindOutputs: an output writes [Offset, Offset + TotalTensorSizeInBytes), whatever its binding's Size."""
+    # the bindings [0, 8192) and [4096, 8192) overlap, the writable areas [0, 4096) and [4096, 8192) do not
+    apart = {"Bindings.OutputFirstMomentTensor": {"Buffer": "out", "Offset": 0, "Size": 8192},
+             "Bindings.OutputSecondMomentTensor": {"Buffer": "out", "Offset": 4096, "Size": 4096}}
+    assert validate(mutated(BASE, **apart)).violations == ()
+    # the bindings [0, 16) and [16, 4112) do not overlap, the writable areas [0, 4096) and [16, 4112) do
+    short = {"Bindings.OutputFirstMomentTensor": {"Buffer": "out", "Offset": 0, "Size": 16},
+             "Bindings.OutputSecondMomentTensor": {"Buffer": "out", "Offset": 16, "Size": 4096}}
+    violations = validate(mutated(BASE, **short)).violations
+    assert [(v.field, v.rule) for v in violations] == [
+        ("Bindings.OutputFirstMomentTensor.Size", "binding-size"),
+        ("Bindings.OutputSecondMomentTensor", "output-overlap"),
+    ]
+    assert "out [16, 4112)" in violations[1].message and "out [0, 4096)" in violations[1].message
+
+
+def test_epsilon_underflow_rounds_the_float_directml_receives():
+    """The double just above 2^-25 reaches DirectML as the FLOAT 2^-25, which FP16 rounds to 0."""
+    just_above = float(np.nextafter(2.0**-25, 1.0))
+    assert just_above > 2.0**-25 and np.float32(just_above) == np.float32(2.0**-25)
+    assert _fields(mutated(FP16, Epsilon=just_above)) == [("Epsilon", "epsilon-underflow")]
 
 
 def test_hyperparameters_checked_as_float32():

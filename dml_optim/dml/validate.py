@@ -1,7 +1,7 @@
 """Validation of ``DML_ADAM_OPTIMIZER_OPERATOR_DESC`` descriptors and their bindings.
 
 :func:`validate` checks a representable descriptor (see
-:mod:`dml_optim.dml.tensor_desc`) against the DirectML rules of DESIGN.md §3
+:mod:`dml_optim.dml.desc`) against the DirectML rules of DESIGN.md §3
 and lists **every** violation, each with a stable rule id:
 
 * Tensors (``DML_BUFFER_TENSOR_DESC`` page, ADAM_OPTIMIZER page): exactly 4
@@ -19,8 +19,9 @@ and lists **every** violation, each with a stable rule id:
   ``DML_MINIMUM_BUFFER_TENSOR_ALIGNMENT = 16`` (and of the guaranteed
   alignment when larger); each range at least the tensor's size; an output may
   share bytes with an input only as an identical range with an identical
-  tensor desc (in-place execution), never with TrainingStepTensor; outputs
-  never overlap each other.
+  tensor desc (in-place execution), never with TrainingStepTensor; the
+  writable areas of two outputs (``[Offset, Offset +
+  TotalTensorSizeInBytes)``, as ``BindOutputs`` defines them) never overlap.
 * Step value: UINT32; 0 is a warning, because ``Alpha = sqrt(1 - Beta2**T) /
   (1 - Beta1**T)`` is 0/0 there.
 """
@@ -33,7 +34,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from dml_optim.dml.tensor_desc import (
+from dml_optim.dml.desc import (
     DIMENSION_COUNT_MAX,
     FEATURE_LEVELS,
     FLAG_OWNED_BY_DML,
@@ -47,9 +48,9 @@ from dml_optim.dml.tensor_desc import (
     Binding,
     TensorDesc,
     canonical_feature_level,
-    from_dict,
     packed_strides,
 )
+from dml_optim.dml.desc_json import from_dict
 
 __all__ = ["validate", "Report", "Violation", "RULES", "FEATURE_LEVELS", "ERROR", "WARNING"]
 
@@ -155,7 +156,7 @@ def validate(desc: AdamOptimizerDesc | Mapping[str, Any], feature_level: str | N
     """Every violation of the DirectML rules by ``desc`` at ``feature_level``.
 
     ``desc`` is an :class:`AdamOptimizerDesc` or a parsed JSON object (which
-    may raise :class:`~dml_optim.dml.tensor_desc.MalformedDescriptor`).
+    may raise :class:`~dml_optim.dml.desc.MalformedDescriptor`).
     ``feature_level`` None uses the descriptor's own (default ``"3_0"``);
     an unknown level raises ``MalformedDescriptor``.
     """
@@ -275,7 +276,8 @@ def _hyperparameter_rules(desc: AdamOptimizerDesc) -> Iterator[Violation]:
             yield _v(name, "hyperparameter", f"{name} = {value!r} is not a finite FLOAT (float32)")
     eps = desc.epsilon
     fp16 = [n for n, t in desc.tensors().items() if n != _STEP and t.data_type == "FLOAT16"]
-    if fp16 and eps != 0 and abs(eps) <= FP16_UNDERFLOW:
+    # FLOAT16 rounds the FLOAT that DirectML receives, not the double given here
+    if fp16 and eps != 0 and abs(_float32(eps)) <= FP16_UNDERFLOW:
         yield _v("Epsilon", "epsilon-underflow",
                  f"Epsilon = {eps!r} rounds to 0 in FLOAT16 (|Epsilon| <= 2^-25 ~ 2.98e-8) and {fp16[0]} is "
                  f"FLOAT16; sqrt(V) + Epsilon can be 0")
@@ -303,7 +305,7 @@ def _binding_rules(desc: AdamOptimizerDesc) -> Iterator[Violation]:
     for name, b in bindings.items():
         yield from _range_rules(name, b, tensors[name])
     yield from _alias_rules(bindings, tensors)
-    yield from _output_overlap_rules(bindings)
+    yield from _output_overlap_rules(bindings, tensors)
 
 
 def _required_offset_alignment(t: TensorDesc) -> int:
@@ -373,12 +375,19 @@ def _alias_problem(out: str, inp: str, bindings: Mapping[str, Binding], tensors:
     return ""
 
 
-def _output_overlap_rules(bindings: Mapping[str, Binding]) -> Iterator[Violation]:
-    outs = [o for o in OUTPUT_TENSORS if o in bindings]
+def _writable_area(b: Binding, t: TensorDesc) -> Binding:
+    """What an output may write: ``[Offset, Offset + TotalTensorSizeInBytes)`` of its buffer (``BindOutputs``)."""
+    return Binding(b.buffer, b.offset, t.total_tensor_size_in_bytes)
+
+
+def _output_overlap_rules(bindings: Mapping[str, Binding], tensors: Mapping[str, TensorDesc]) -> Iterator[Violation]:
+    areas = {o: _writable_area(bindings[o], tensors[o]) for o in OUTPUT_TENSORS if o in bindings}
+    outs = list(areas)
     for i, first in enumerate(outs):
         for second in outs[i + 1 :]:
-            a, b = bindings[first], bindings[second]
+            a, b = areas[first], areas[second]
             if a.overlaps(b):
                 yield _v(f"Bindings.{second}", "output-overlap",
-                         f"Bindings.{second} ({b.buffer} [{b.offset}, {b.end})) overlaps Bindings.{first} "
-                         f"({a.buffer} [{a.offset}, {a.end})); two outputs may not share bytes")
+                         f"Bindings.{second} writes {b.buffer} [{b.offset}, {b.end}), overlapping what "
+                         f"Bindings.{first} writes ({a.buffer} [{a.offset}, {a.end})); the writable areas "
+                         f"(Offset + TotalTensorSizeInBytes) of two outputs may not share bytes")
