@@ -15,17 +15,22 @@ overflowing.  Two ways to use it with ``dml_optim`` optimizers:
           scaler.step(opt)      # unscale + inf/NaN check + gated step, on the device
           scaler.update()       # growth/backoff rule, on the device
 
-* ``torch.amp.GradScaler``, unchanged: our optimizers set
-  ``_step_supports_amp_scaling = True`` and accept ``step(grad_scaler=...)``,
-  so ``scaler.step(opt)`` hands the step to :func:`step_with_grad_scaler`,
-  which unscales and checks on the device instead of calling
-  ``torch._amp_foreach_non_finite_check_and_unscale_`` (a CPU fallback on
-  DirectML).  torch emits a ``FutureWarning`` about this protocol on every
-  ``scaler.step``.  **Caveat:** ``GradScaler.update()`` itself still calls
-  ``torch._amp_update_scale_``, which is a CPU fallback on DirectML; only
-  :class:`DynamicLossScaler` keeps the whole loop on the device.
+* ``torch.amp.GradScaler``, unchanged.  With float32 gradients GradScaler
+  does its own unscaling (one native foreach kernel on CUDA and the CPU) and
+  calls ``step()`` only when nothing overflowed, as for any torch.optim
+  optimizer; frameworks rely on that (Lightning's mixed precision with
+  ``gradient_clip_val``).  With float16/bfloat16 gradients (FP16 parameters,
+  e.g. ``master_weights=True``), whose unscaling GradScaler refuses, our
+  optimizers set ``_step_supports_amp_scaling`` and GradScaler hands over
+  ``grad_scale``/``found_inf``: the unscale and the gated skip then run in
+  our step, on the device, with no host sync.
 
-In both cases the skip is exact: on overflow, parameters, optimizer states
+  On DirectML, GradScaler's inf check (``_amp_foreach_non_finite_check_and_unscale_``)
+  and its ``update()`` (``_amp_update_scale_``) have no DirectML kernel and run
+  on the CPU whatever the optimizer does: use :class:`DynamicLossScaler` there
+  (everything native, no host sync).
+
+With either, the skip is exact: on overflow, parameters, optimizer states
 and step counters stay bit-for-bit as they were
 (:meth:`dml_optim.FlatOptimizer.step_scaled`).
 
@@ -43,11 +48,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-__all__ = ["DynamicLossScaler", "step_with_grad_scaler"]
+__all__ = ["DynamicLossScaler"]
 
 _STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -178,7 +183,7 @@ class DynamicLossScaler:
         if unscaled is None:
             found_inf = step_scaled(self._inv_scale)
         else:  # unscale_() ran first: the gradients are already unscaled and checked
-            found_inf = step_scaled(self._factors["one"], found_inf=unscaled)
+            found_inf = step_scaled(None, found_inf=unscaled)
         found_inf = found_inf.to(self._scale.device)
         self._found_inf = found_inf if self._found_inf is None else self._found_inf + found_inf
         self._stepped.add(id(optimizer))
@@ -275,56 +280,3 @@ class DynamicLossScaler:
         self._growth_factor, self._backoff_factor, self._growth_interval = growth, backoff, interval
         if self._scale is not None:
             self._lazy_init(self._scale.device)
-
-
-def _stage_name(state: dict[str, Any]) -> str:
-    stage = state.get("stage")
-    return getattr(stage, "name", str(stage))
-
-
-def step_with_grad_scaler(opt, grad_scaler, closure: Callable[[], Any] | None = None):
-    """``opt.step(grad_scaler=scaler)``: the ``torch.amp.GradScaler`` protocol.
-
-    ``GradScaler.step(opt)`` calls this (through ``FlatOptimizer.step``)
-    instead of unscaling with its CPU-fallback helpers.  Two cases, by the
-    scaler's per-optimizer stage:
-
-    * ``READY`` (the usual loop): the gradients are multiplied by ``1/S``,
-      checked and the step gated, all by :meth:`FlatOptimizer.step_scaled`
-      on the device; the resulting ``found_inf`` is stored in
-      ``scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]``,
-      which is what ``scaler.update()`` reads.
-    * ``UNSCALED`` (the user called ``scaler.unscale_(opt)`` first, e.g. to
-      clip): the gradients are already unscaled and ``found_inf_per_device``
-      is filled; they are combined and the step is gated by them (no second
-      unscale).
-
-    ``GradScaler`` then marks the optimizer ``STEPPED``.  ``closure`` (passed
-    positionally: GradScaler refuses a ``closure=`` keyword) is called first,
-    with grad enabled, and its value returned.
-    """
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    state = grad_scaler._per_optimizer_states[id(opt)]
-    scale = grad_scaler._get_scale_async()
-    if scale is None:
-        raise RuntimeError("GradScaler.step: the scaler has no scale yet; call scaler.scale(loss) first")
-    stage = _stage_name(state)
-    if stage == "READY":
-        # GradScaler.unscale_ takes the reciprocal in float64; DirectML has no float64 kernels, and the
-        # float32 reciprocal is correctly rounded (exact for the power-of-two scales the rule produces)
-        found_inf = opt.step_scaled(torch.reciprocal(scale.float()))
-        state["found_inf_per_device"] = {found_inf.device: found_inf}
-    elif stage == "UNSCALED":
-        found = list(state["found_inf_per_device"].values())
-        if not found:
-            raise RuntimeError("GradScaler.step: unscale_() recorded no inf checks for this optimizer")
-        combined = found[0].to(scale.device)
-        for f in found[1:]:
-            combined = combined + f.to(scale.device)
-        opt.step_scaled(torch.ones((), dtype=torch.float32, device=scale.device), found_inf=combined)
-    else:
-        raise RuntimeError(f"GradScaler.step: unexpected optimizer stage {stage}; call scaler.update() after each step")
-    return loss

@@ -10,21 +10,21 @@ synchronisations and new allocations it makes.
 
 Counting rules (what :class:`AuditReport` reports):
 
-* **ops**: every aten op that reaches the dispatcher below autograd (views
-  such as ``slice.Tensor`` included: each is a dispatch).  Ops outside the
-  ``aten`` namespace (``profiler::_record_function_*``, which
-  ``torch.optim.Optimizer`` wraps around every ``step``) are not counted.
+* **ops**: :mod:`dml_optim.opcount`'s definition, shared with the
+  benchmarks: every aten op that reaches the dispatcher below autograd and
+  does work; view ops (``slice.Tensor``, ``view``, ``detach``: metadata only)
+  are counted apart as ``views``; ops outside the ``aten`` namespace
+  (``profiler::_record_function_*``, which ``torch.optim.Optimizer`` wraps
+  around every ``step``) are not counted.
 * **foreach ops** (``aten::_foreach_*``) count as *one op per tensor* of their
   first list: torch-directml has no foreach kernels, so
   ``_foreach_lerp_.Scalar`` over 161 tensors runs as 161 ``lerp_.Scalar``; they
   resolve as that per-tensor op (:func:`~dml_optim.dml.dispatch.foreach_element_op`).
 * **resolution**: the table's entry; ``native`` and ``native via aten::X.out``
-  are native.  An op the table marks ``composite`` is resolved through what it
-  decomposes into: its ``CompositeExplicitAutograd`` (or implicit) kernel is run
-  on ``meta`` copies of its arguments under a second recorder, and the ops it
-  calls are resolved in turn (e.g. ``slice.Tensor`` → ``as_strided``: native;
-  ``mul_.Scalar`` → ``mul_.Tensor``: native).  If no decomposition can be run
-  the op stays ``composite`` (neither native nor a fallback).
+  are native; a ``composite`` op is resolved through what it decomposes into
+  (:class:`dml_optim.dml.dispatch.Resolver`; e.g. ``mul_.Scalar`` →
+  ``mul_.Tensor``: native).  If no decomposition can be run the op stays
+  ``composite`` (neither native nor a fallback).
 * **host syncs**: calls of ``aten::_local_scalar_dense`` (``.item()``,
   ``bool(t)``, ``float(t)``) and of ops whose output size depends on the data
   (``nonzero``, ``masked_select``, ``unique``...), *except* reads of
@@ -61,21 +61,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dml_optim.dml.dispatch import foreach_element_op, resolution
+from dml_optim.dml.dispatch import Resolver, foreach_element_op, overload_of, to_meta
+from dml_optim.opcount import OpRecorder, is_view
 
 __all__ = [
     "AuditReport",
     "audit_step",
+    "audit_call",
     "audit_torch_equivalent",
     "make_optimizer",
     "torch_equivalent",
-    "OPTIMIZER_NAMES",
     "HOST_SYNC_OPS",
     "CPU_STEP_READS_NOTE",
 ]
-
-#: Names ``make_optimizer``/``torch_equivalent``/``dml-optim audit`` accept.
-OPTIMIZER_NAMES = ("adam", "dml-adam", "adagrad", "momentum")
 
 #: Ops that wait for the device: a scalar read, or an output whose size depends on the data.
 HOST_SYNC_OPS = frozenset({
@@ -94,114 +92,6 @@ CPU_STEP_READS_NOTE = (
     "CPU step-counter reads (not a device sync on DirectML): torch.optim keeps "
     "non-capturable state['step'] tensors on the CPU on every device"
 )
-
-_MAX_DEPTH = 4
-
-
-# --------------------------------------------------------------------------
-# resolving an op with the dispatch table
-# --------------------------------------------------------------------------
-
-
-def _kind(how: str) -> str:
-    """``native``, ``fallback``, ``composite`` or ``unknown`` for a table entry."""
-    for kind in ("native", "fallback", "composite"):
-        if how.startswith(kind):
-            return kind
-    return "unknown"
-
-
-def _overload(name: str):
-    """``"aten::mul_.Scalar"`` → ``torch.ops.aten.mul_.Scalar`` (None if absent)."""
-    base, _, overload = name.split("::", 1)[1].partition(".")
-    try:
-        return getattr(getattr(torch.ops.aten, base), overload or "default")
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _to_meta(value):
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(v) for v in value)
-    if isinstance(value, torch.device):
-        return torch.device("meta")
-    return value
-
-
-class _NameRecorder(TorchDispatchMode):
-    """Records the ops a decomposition calls (run on meta tensors), with one example call each."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-        self.calls: dict[str, tuple] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.name()
-        self.names.append(name)
-        self.calls.setdefault(name, (func, args, kwargs))
-        return func(*args, **kwargs)
-
-
-def _decomposition(func, args, kwargs) -> tuple[list[str], dict[str, tuple]] | None:
-    """The ops ``func``'s composite kernel calls (names, and one example call
-    ``(func, args, kwargs)`` per name), run on meta copies of the arguments."""
-    keys = torch._C.DispatchKey
-    name = func.name()
-    for key in ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional", "CompositeImplicitAutograd"):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
-            continue
-        margs, mkwargs = _to_meta(list(args)), _to_meta(dict(kwargs))
-        if "device" in mkwargs:
-            mkwargs["device"] = torch.device("meta")
-        recorder = _NameRecorder()
-        try:
-            with recorder:
-                func._op_dk(getattr(keys, key), *margs, **mkwargs)
-        except Exception:  # a kernel that cannot run on meta: leave the op composite
-            return None
-        return recorder.names, recorder.calls
-    return None
-
-
-class _Resolver:
-    """Resolves op names (composites through their decomposition), cached by name."""
-
-    def __init__(self):
-        self._cache: dict[str, tuple[str, str]] = {}
-
-    def __call__(self, name: str, func=None, args=(), kwargs=None, depth: int = 0) -> tuple[str, str]:
-        """``(kind, text)``: kind is native/fallback/composite/unknown."""
-        if name in self._cache:
-            return self._cache[name]
-        how = resolution(name)
-        kind = _kind(how)
-        if kind == "composite" and depth < _MAX_DEPTH:
-            func = func if func is not None else _overload(name)
-            inner = _decomposition(func, args, kwargs or {}) if func is not None else None
-            if inner is not None:
-                kind, how = self._combine(*inner, depth)
-        result = (kind, how)
-        if func is not None or kind != "composite":
-            self._cache[name] = result
-        return result
-
-    def _combine(self, inner: list[str], calls: dict[str, tuple], depth: int) -> tuple[str, str]:
-        if not inner:
-            return "native", "composite → no kernel (metadata only)"
-        parts, kinds = [], []
-        for sub, n in Counter(inner).items():
-            func, args, kwargs = calls[sub]
-            k, how = self(sub, func, args, kwargs, depth=depth + 1)
-            kinds.append(k)
-            parts.append(f"{'%d x ' % n if n > 1 else ''}{sub} ({how})")
-        kind = "fallback" if "fallback" in kinds else "native" if all(k == "native" for k in kinds) else (
-            "unknown" if "unknown" in kinds else "composite")
-        return kind, "composite → " + ", ".join(parts)
-
 
 # --------------------------------------------------------------------------
 # the recorder
@@ -244,37 +134,32 @@ class _Event:
     first_ptrs: tuple[int, ...]
     element: str | None
     func: Any
+    view: bool
 
 
-class _Recorder(TorchDispatchMode):
-    """Records every aten op with the storages of its first operand, and counts allocations."""
+class _Recorder(OpRecorder):
+    """The shared op recorder (:mod:`dml_optim.opcount`), plus what the audit needs: the
+    storages of each op's first operand, foreach ops per tensor, and allocations."""
 
     def __init__(self, known_storages: set[int]):
-        super().__init__()
+        super().__init__(compiled=False)
         self.known = known_storages
-        self.events: list[_Event] = []
+        self.records: list[_Event] = []
         self.allocations = 0
         self.allocated_bytes = 0
-        self.ignored = Counter()
         self._meta_args: dict[str, tuple] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def on_op(self, func, args, kwargs, out) -> None:
+        super().on_op(func, args, kwargs, out)
         name = func.name()
-        if not name.startswith("aten::"):
-            self.ignored[name] += 1
-            return out
         first = _first_operand(args)
         element = foreach_element_op(name)
         count = max(1, len(first)) if element is not None else 1
-        keep_args = name not in self._meta_args
-        if keep_args:  # one example call per op, as meta tensors, for decompositions
+        if name not in self._meta_args:  # one example call per op, as meta tensors, for decompositions
             call_args, call_kwargs = _element_args(args, kwargs) if element is not None else (args, kwargs)
-            self._meta_args[name] = (_to_meta(list(call_args)), _to_meta(dict(call_kwargs)))
-        self.events.append(_Event(name, count, tuple(_storage_ptr(t) for t in first), element, func))
+            self._meta_args[name] = (to_meta(list(call_args)), to_meta(dict(call_kwargs)))
+        self.records.append(_Event(name, count, tuple(_storage_ptr(t) for t in first), element, func, is_view(func)))
         self._count_allocations(args, kwargs, out)
-        return out
 
     def _count_allocations(self, args, kwargs, out) -> None:
         inputs = {_storage_ptr(t) for t in _tensors((args, kwargs))}
@@ -318,7 +203,8 @@ def _held_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     seen: set[int] = set()
     _walk(optimizer.param_groups, seen, out)
     _walk(optimizer.state, seen, out)
-    _walk(getattr(optimizer, "_flats", []), seen, out)
+    if hasattr(optimizer, "flat_buffers"):
+        _walk(optimizer.flat_buffers(), seen, out)
     return out
 
 
@@ -340,9 +226,8 @@ def _cpu_step_counters(optimizer: torch.optim.Optimizer) -> set[int]:
 
 
 def _flat_buffer_count(optimizer: torch.optim.Optimizer) -> int:
-    flats = getattr(optimizer, "_flats", None)
-    if flats is not None:
-        return sum(len(f) for f in flats)
+    if hasattr(optimizer, "flat_buffers"):
+        return len(optimizer.flat_buffers())
     return sum(len(g["params"]) for g in optimizer.param_groups)
 
 
@@ -370,7 +255,9 @@ class AuditReport:
         optimizer: what was audited, e.g. ``"dml_optim.Adam"``.
         ops: ``(op, count, resolution)`` for the ops run on the parameters'
             device, most frequent first (foreach ops as their per-tensor op).
-        total_ops: sum of the counts in ``ops``: dispatches per step on DirectML.
+        total_ops: sum of the counts in ``ops``: kernels dispatched per step on DirectML
+            (:mod:`dml_optim.opcount`'s definition: views excluded).
+        views: view ops (metadata only, no kernel), counted apart.
         fallbacks: ``(op, count)`` of the ops that fall back to the CPU on DirectML.
         host_syncs: ops that wait for the device (see :data:`HOST_SYNC_OPS`).
         cpu_step_reads: reads of torch.optim's CPU step counters (not syncs).
@@ -390,6 +277,7 @@ class AuditReport:
     cpu_step_reads: int
     allocations: int
     flat_buffers: int
+    views: int = 0
     allocated_bytes: int = 0
     host_ops: list[tuple[str, int]] = field(default_factory=list)
     num_tensors: int = 0
@@ -419,6 +307,7 @@ class AuditReport:
             "numel": self.numel,
             "flat_buffers": self.flat_buffers,
             "total_ops": self.total_ops,
+            "views": self.views,
             "fallback_ops": self.fallback_ops,
             "fallbacks": [{"op": op, "count": n} for op, n in self.fallbacks],
             "host_syncs": self.host_syncs,
@@ -437,7 +326,7 @@ class AuditReport:
             f"{self.optimizer}: {self.num_tensors} parameter tensors, {self.numel:,} elements, "
             f"{self.flat_buffers} {'flat buffer(s)' if self.optimizer.startswith('dml_optim') else 'tensors'} "
             f"(recorded on {self.device}, resolved for torch-directml 0.2.5)",
-            f"  aten ops per step on DirectML: {self.total_ops}",
+            f"  aten ops per step on DirectML: {self.total_ops} (+{self.views} views, metadata only)",
             f"  CPU fallbacks on DirectML:     {self.fallback_ops} op calls"
             + (f" ({', '.join(f'{op} x{n}' for op, n in self.fallbacks)})" if self.fallbacks else ""),
             f"  host syncs:                    {self.host_syncs}",
@@ -484,13 +373,20 @@ def audit_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | No
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if step is not True:
         raise ValueError(f"step must be True (audit_step runs one optimizer step), got {step!r}")
+    return audit_call(optimizer, lambda: optimizer.step(closure) if closure is not None else optimizer.step())
+
+
+def audit_call(optimizer: torch.optim.Optimizer, fn: Callable[[], Any]) -> AuditReport:
+    """Like :func:`audit_step`, but record ``fn()`` (e.g. ``lambda: scaler.step(opt)``) as the step."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     _refuse_compiled(optimizer)
     held = _held_tensors(optimizer)
     known = {_storage_ptr(t) for t in held if t.numel() > 0}
     counters_before = _cpu_step_counters(optimizer)
     recorder = _Recorder(known)
     with recorder:
-        optimizer.step(closure) if closure is not None else optimizer.step()
+        fn()
     counters = counters_before | _cpu_step_counters(optimizer)
     return _report(optimizer, recorder, counters)
 
@@ -513,11 +409,15 @@ def _refuse_compiled(optimizer) -> None:
 
 
 def _report(optimizer, recorder: _Recorder, counters: set[int]) -> AuditReport:
-    resolve = _Resolver()
+    resolve = Resolver()
     ops: Counter = Counter()
     host_ops: Counter = Counter()
     host_syncs = cpu_reads = 0
-    for ev in recorder.events:
+    views = 0
+    for ev in recorder.records:
+        if ev.view:  # metadata only (opcount's definition): counted apart from the ops
+            views += ev.count
+            continue
         on_counters = bool(ev.first_ptrs) and all(p in counters for p in ev.first_ptrs)
         if ev.name in HOST_SYNC_OPS:
             if on_counters:
@@ -528,12 +428,12 @@ def _report(optimizer, recorder: _Recorder, counters: set[int]) -> AuditReport:
             host_ops[ev.name] += ev.count
             continue
         ops[ev.element or ev.name] += ev.count
-    funcs = {ev.element or ev.name: (ev.func if ev.element is None else None, ev.name) for ev in recorder.events}
+    funcs = {ev.element or ev.name: (ev.func if ev.element is None else None, ev.name) for ev in recorder.records}
     rows, kinds, fallbacks = [], {}, []
     for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])):
         func, recorded = funcs[op]
         meta_args, meta_kwargs = recorder._meta_args.get(recorded, ((), {}))
-        kind, how = resolve(op, func if func is not None else _overload(op), meta_args, meta_kwargs)
+        kind, how = resolve(op, func if func is not None else overload_of(op), meta_args, meta_kwargs)
         rows.append((op, n, how))
         kinds[op] = kind
         if kind == "fallback":
@@ -544,6 +444,7 @@ def _report(optimizer, recorder: _Recorder, counters: set[int]) -> AuditReport:
         optimizer=_describe(optimizer),
         ops=rows,
         total_ops=sum(ops.values()),
+        views=views,
         fallbacks=fallbacks,
         host_syncs=host_syncs,
         cpu_step_reads=cpu_reads,
@@ -559,91 +460,26 @@ def _report(optimizer, recorder: _Recorder, counters: set[int]) -> AuditReport:
 
 
 # --------------------------------------------------------------------------
-# building ours and the torch.optim equivalent (DESIGN.md §2)
+# building ours and the torch.optim equivalent (the registry's)
 # --------------------------------------------------------------------------
-
-_HYPER = {
-    "adam": ("lr", "alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post"),
-    "dml-adam": ("lr", "beta1", "beta2", "epsilon"),
-    "adagrad": ("lr", "decay_factor", "epsilon", "norm_coefficient"),
-    "momentum": ("lr", "alpha", "beta", "mode", "norm_coefficient"),
-}
-_DEFAULT_LR = {"adam": 1e-3, "dml-adam": 1e-3, "adagrad": 1e-2, "momentum": 1e-2}
-
-
-def _check_name(name: str) -> str:
-    if name not in OPTIMIZER_NAMES:
-        raise ValueError(f"name must be one of {', '.join(OPTIMIZER_NAMES)}, got {name!r}")
-    return name
-
-
-def _check_hyper(name: str, hyper: dict[str, Any]) -> None:
-    unknown = sorted(set(hyper) - set(_HYPER[name]))
-    if unknown:
-        raise TypeError(f"{name}: unknown hyperparameter(s) {', '.join(unknown)} (expected some of {', '.join(_HYPER[name])})")
 
 
 def make_optimizer(name: str, params: Iterable, *, backend: str = "eager", **hyper) -> torch.optim.Optimizer:
-    """``dml_optim`` optimizer ``name`` (``adam``, ``dml-adam``, ``adagrad``, ``momentum``).
+    """The registry's optimizer ``name`` with ``backend="eager"`` by default: the op chain DirectML
+    runs (``"auto"`` may compile large buffers on CPU/CUDA, which :func:`audit_step` refuses)."""
+    from dml_optim.optimizers.registry import build, check_hyperparameters
 
-    ``hyper`` takes the optimizer's own hyperparameter names (unknown names
-    raise ``TypeError``); ``lr`` defaults to 1e-3 (Adam, DmlAdam) or 1e-2.
-    ``backend`` defaults to ``"eager"``: the op chain DirectML runs (``"auto"``
-    resolves to it on DirectML, but may compile large buffers on CPU/CUDA,
-    which :func:`audit_step` refuses to audit).
-    """
-    import dml_optim
-
-    _check_hyper(_check_name(name), hyper)
-    cls = {"adam": dml_optim.Adam, "dml-adam": dml_optim.DmlAdam, "adagrad": dml_optim.Adagrad,
-           "momentum": dml_optim.Momentum}[name]
-    hyper = dict(hyper)
-    lr = hyper.pop("lr", _DEFAULT_LR[name])
-    return cls(params, lr, backend=backend, **hyper)
+    check_hyperparameters(name, hyper)
+    return build(name, params, backend=backend, **hyper)
 
 
 def torch_equivalent(name: str, params: Iterable, *, foreach: bool | None = True, fused: bool | None = None,
                      **hyper) -> torch.optim.Optimizer:
-    """The ``torch.optim`` optimizer equal to ``dml_optim`` optimizer ``name`` (DESIGN.md §2).
+    """The registry's nearest torch.optim twin of ``name`` (see
+    :func:`dml_optim.optimizers.registry.torch_equivalent`)."""
+    from dml_optim.optimizers.registry import torch_equivalent as twin
 
-    * ``adam`` → ``Adam(lr, betas=(alpha, beta), eps=epsilon, weight_decay=norm_coefficient)``
-      (equal only for ``epsilon == 0``: epsilon is placed differently;
-      ``norm_coefficient_post`` has no torch equivalent and must be 0);
-    * ``dml-adam`` → ``Adam(lr, betas=(beta1, beta2), eps=epsilon)`` (same epsilon caveat);
-    * ``adagrad`` → ``Adagrad(lr, lr_decay=decay_factor, eps=epsilon, weight_decay=norm_coefficient)``;
-    * ``momentum`` → ``SGD(lr, momentum=alpha, dampening=1 - beta, weight_decay=norm_coefficient,
-      nesterov=mode == "nesterov")`` (nesterov needs ``beta == 1``).
-
-    Defaults are ours (so the two optimizers run the same configuration).
-    ``foreach=True`` is what torch 2.4 picks on a DirectML (``privateuseone``) device.
-    """
-    import dml_optim
-
-    _check_hyper(_check_name(name), hyper)
-    cls = {"adam": dml_optim.Adam, "dml-adam": dml_optim.DmlAdam, "adagrad": dml_optim.Adagrad,
-           "momentum": dml_optim.Momentum}[name]
-    import inspect
-
-    defaults = {k: v.default for k, v in inspect.signature(cls).parameters.items() if v.default is not inspect.Parameter.empty}
-    h = {k: hyper.get(k, defaults.get(k)) for k in _HYPER[name]}
-    if h["lr"] is None:
-        h["lr"] = _DEFAULT_LR[name]
-    mode = {"foreach": foreach, "fused": fused}
-    if name == "adam":
-        if h["norm_coefficient_post"]:
-            raise ValueError(f"norm_coefficient_post={h['norm_coefficient_post']!r} has no torch.optim.Adam equivalent; use 0")
-        return torch.optim.Adam(params, lr=h["lr"], betas=(h["alpha"], h["beta"]), eps=h["epsilon"],
-                                weight_decay=h["norm_coefficient"], **mode)
-    if name == "dml-adam":
-        return torch.optim.Adam(params, lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["epsilon"], **mode)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=h["lr"], lr_decay=h["decay_factor"], eps=h["epsilon"],
-                                   weight_decay=h["norm_coefficient"], **mode)
-    nesterov = h["mode"] == "nesterov"
-    if nesterov and h["beta"] != 1:
-        raise ValueError(f"mode='nesterov' with beta={h['beta']!r} has no torch.optim.SGD equivalent (nesterov needs beta=1)")
-    return torch.optim.SGD(params, lr=h["lr"], momentum=h["alpha"], dampening=1 - h["beta"],
-                           weight_decay=h["norm_coefficient"], nesterov=nesterov, **mode)
+    return twin(name, params, foreach=foreach, fused=fused, **hyper)
 
 
 def audit_torch_equivalent(name: str, params: Sequence[torch.Tensor], *, foreach: bool | None = True,

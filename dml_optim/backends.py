@@ -1,51 +1,43 @@
-"""Choosing how a rule runs over a flat buffer: ``eager`` or ``compiled``.
+"""Choosing how a flat buffer's rule runs: ``eager`` or ``compiled``.
 
 * ``eager``: the DirectML-native op chain of :mod:`dml_optim.functional`
   (about ten element-wise ops per step over the flat buffer).  Always used on
   DirectML (``privateuseone``), where every op is a native kernel and
   ``torch.compile`` has no backend.
-* ``compiled`` (CPU, CUDA): the same rule fused into one kernel by
+* ``compiled`` (CPU, CUDA): the same step fused into one kernel by
   ``torch.compile`` (:mod:`dml_optim.compiled`).  Falls back to eager with one
   :class:`~dml_optim.compiled.CompileFallbackWarning` per optimizer when
   compilation is unavailable or fails.
 * ``auto``: eager on DirectML and for buffers below
-  :data:`AUTO_COMPILE_MIN_ELEMENTS` elements (small models: a first compile
-  costs seconds, which a small buffer never earns back); compiled for larger
-  buffers on CPU and CUDA when compilation is available.
+  :data:`AUTO_COMPILE_MIN_ELEMENTS` elements (a first compile costs seconds,
+  which a small buffer never earns back); compiled for larger buffers on CPU
+  and CUDA when compilation is available.
 
-Threshold (measured with ``bench/run.py``, see ``bench/README.md``): on a
+Thresholds (measured with ``bench/run.py``, see ``bench/README.md``): on a
 2-core CPU VM the fused kernel beats the eager chain from about 2M elements
-on (Adam at 4M elements: 7.3 ms eager, 2.5 ms compiled; at 25.6M: 54 ms vs
-17 ms), while a first compile costs seconds (3-26 s for the first rule of a
-process, 10-40 s once per machine for inductor's ISA probe, well under 1 s
-from inductor's disk cache).  At 4M elements (16 MB in float32: far above
-``dml-optim train``'s model and the test suite's, far below resnet50's 25.6M
-parameters) a step saves ~5 ms, so a compile pays for itself in about a
-thousand steps; smaller buffers stay eager.
+on (Adam at 4M elements: 7.3 ms eager, 2.5 ms compiled), while a first
+compile costs seconds; at 4M elements a compile pays for itself in about a
+thousand steps.  On CUDA the eager chain's cost is mostly kernel launches
+(about ten per step), which a fused kernel removes whatever the size, so the
+threshold is lower.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import weakref
+from typing import Any
 
 import torch
 
 from dml_optim import compiled as _compiled
+from dml_optim.options import BACKENDS
 
-__all__ = [
-    "BACKEND_CHOICES",
-    "AUTO_COMPILE_MIN_ELEMENTS",
-    "resolve",
-    "rule_runner",
-    "resolved_backends",
-]
+__all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "resolve", "runner_for", "resolved_backend", "resolved_backends"]
 
-BACKEND_CHOICES = ("auto", "eager", "compiled")
+#: ``backend="auto"`` compiles a flat buffer from this many elements on.
+AUTO_COMPILE_MIN_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 20}
 
-#: ``backend="auto"`` compiles a flat buffer from this many elements on (CPU and CUDA).
-AUTO_COMPILE_MIN_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 22}
-
-Runner = Callable[..., None]
+_RUNNERS: "weakref.WeakKeyDictionary[Any, _compiled.KernelRunner]" = weakref.WeakKeyDictionary()
 
 
 def _device_type(device) -> str:
@@ -62,11 +54,10 @@ def resolve(backend: str, device, numel: int) -> str:
     ``backend`` is the optimizer's option, ``device`` the buffer's device (a
     ``torch.device`` or a string such as ``"privateuseone:0"``), ``numel``
     its element count.  ``"compiled"`` resolves to ``"eager"`` where
-    compilation is unavailable (DirectML, no C++ compiler, ...); the optimizer
-    warns about that once (see :func:`rule_runner`).
+    compilation is unavailable (DirectML, no C++ compiler, ...).
     """
-    if backend not in BACKEND_CHOICES:
-        raise ValueError(f"backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "eager":
         return "eager"
     device_type = _device_type(device)
@@ -78,31 +69,43 @@ def resolve(backend: str, device, numel: int) -> str:
     return "compiled" if threshold is not None and numel >= threshold else "eager"
 
 
-def rule_runner(opt, group: dict[str, Any], flat) -> Runner:
-    """A callable ``(x, g, states, scalars, scratch) -> None`` applying ``opt``'s rule to ``flat``.
+def runner_for(opt, group: dict[str, Any], flat):
+    """The compiled runner of ``opt`` for ``flat``, or None when the buffer runs eager.
 
-    Eager: ``opt._rule`` itself.  Compiled: a cached
-    :class:`~dml_optim.compiled.CompiledRunner` of the same rule.  An
-    explicit ``backend="compiled"`` that cannot compile warns once per
-    optimizer and returns the eager rule.
+    An explicit ``backend="compiled"`` that cannot compile here warns once per
+    optimizer and returns None.
     """
     backend = group["backend"]
     if backend == "eager" or _compiled.fell_back(opt) is not None:
-        return opt._rule
+        return None
+    if _compiled._is_compiling() or (_compiled._dispatch_mode_active() and not _compiled._counting_kernels()):
+        return None  # the eager rule, so a dispatch mode sees real ops (not a warning: meant to happen)
     if resolve(backend, flat.device, flat.numel) == "eager":
         if backend == "compiled":
             _compiled.fall_back(opt, flat.device, _compiled.compile_available(flat.device.type)[1])
-        return opt._rule
-    return _compiled.runner_for(opt, flat)
+        return None
+    runner = _RUNNERS.get(opt)
+    if runner is None:
+        runner = _RUNNERS[opt] = _compiled.KernelRunner(opt)
+    reason = _compiled._BROKEN.get(runner.key(group, flat))
+    if reason is not None:  # another optimizer found this kernel broken: this one is told too, once
+        _compiled.fall_back(opt, flat.device, reason)
+        return None
+    return runner
+
+
+def resolved_backend(opt, group: dict[str, Any], flat) -> str:
+    """The backend ``flat`` runs with now (after any fallback; an invalid option: ``"eager"``,
+    the next step refuses it)."""
+    if group["backend"] not in BACKENDS or group["backend"] == "eager" or _compiled.fell_back(opt) is not None:
+        return "eager"
+    if resolve(group["backend"], flat.device, flat.numel) == "eager":
+        return "eager"
+    runner = _RUNNERS.get(opt) or _compiled.KernelRunner(opt)
+    return "eager" if runner.key(group, flat) in _compiled._BROKEN else "compiled"
 
 
 def resolved_backends(opt) -> list[list[str]]:
     """For each param group, the backend each of its flat buffers runs with now."""
-    out = []
-    for group, flats in zip(opt.param_groups, opt._flats):
-        names = []
-        for flat in flats:
-            runner = rule_runner(opt, group, flat) if _compiled.fell_back(opt) is None else opt._rule
-            names.append("compiled" if isinstance(runner, _compiled.CompiledRunner) else "eager")
-        out.append(names)
-    return out
+    return [[resolved_backend(opt, group, flat) for flat in opt._buffers_of(gi)]
+            for gi, group in enumerate(opt.param_groups)]

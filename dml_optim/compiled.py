@@ -1,47 +1,43 @@
-"""The ``compiled`` backend: an optimizer's rule fused into one kernel by ``torch.compile``.
+"""The ``compiled`` backend: one optimizer step of one range fused into one kernel by ``torch.compile``.
 
-The eager backend runs a rule (``adam_``, ``adagrad_``, ``momentum_`` of
-:mod:`dml_optim.functional`) as a chain of about ten element-wise ops over a
-flat buffer, each op reading and writing whole buffers.  Here the *same*
-function (the optimizer's ``_rule``, no second copy of the math) is traced by
-``torch.compile``; inductor fuses it into one loop that reads ``x``, ``g`` and
-the states once and writes ``x`` and the states once (Adam in float32: 16
-bytes read, 12 written per parameter, the minimum).
+The eager backend runs a rule as a chain of about ten element-wise ops over a
+flat buffer.  Here the *same* code (:func:`dml_optim.update.fused_step`: the
+class's coefficients, its rule from :mod:`dml_optim.functional`, the
+precision modes and the step counter's increment) is traced by
+``torch.compile``; inductor fuses it into one loop that reads the parameters,
+gradients and states once and writes them once.
 
-What makes it compile once and never again:
+What makes one graph serve every optimizer instance:
 
-* **Per-step coefficients are 0-d tensors.**  Whatever varies with the step
-  counter or the learning rate (``step_size``, ``rate``, ``lr``,
-  ``grad_scale``: the keys of ``opt._coefficients``) is written into a 0-d
-  tensor preallocated per flat buffer (``fill_``/``copy_``: no host sync, no
-  allocation) and the compiled graph reads it at run time.  A scheduler that
-  changes ``lr`` every step causes no recompilation.
-* **Group constants are specialized.**  ``alpha``, ``beta``, ``epsilon``,
-  ``norm_coefficient``, ``mode`` ... are Python numbers baked into the kernel
-  (so ``norm_coefficient == 0`` costs nothing).  Changing one of them between
-  steps recompiles once for the new value.
-* **Buffer sizes**: the first call compiles for its length; a call with
-  another length (a second param group, a chunk, a run of parameters) makes
-  dynamo recompile once with a symbolic length, which then serves every
-  size.  (``dynamic=True`` from the start would also turn the Python-float
-  constants into run-time inputs, which costs a tensor per float per call.)
-* **One compile cache per (rule, dtype, device type, gated)**, shared by all
-  optimizers in the process.  Dynamo keeps compiled code and its recompile
-  limit per *code object*, so each key gets a code object of its own
-  (:func:`_fresh_code`): one optimizer's specializations never evict
-  another's, and ``torch._dynamo.config`` is left untouched.
-* **Scratch buffers are not used**: the compiled rule is called with
-  ``scratch=None`` so intermediates live in registers instead of being
-  written to memory.
+* **The kernel is a pure function of tensors.**  It takes positional tensors
+  only: the ranges of the flat buffers, the step counter (a 0-d int64 on the
+  device), the skip flag when gated, and every float hyperparameter as a 0-d
+  tensor (``lr``, ``alpha``, ``epsilon``...).  The bias corrections are
+  computed inside from the counter.  No optimizer, dict, list or function is
+  an argument, so dynamo never guards on an object's identity and a new
+  optimizer, a new epsilon or a scheduler's new ``lr`` reuse the graph.
+* **Only structure selects a graph**: the optimizer class, the structural
+  hyperparameters (``mode``, ``amsgrad``, ``maximize``, and a float listed in
+  the class's ``zero_skips`` being exactly 0, which removes ops), the
+  precision mode and the dtypes, gated or not, the device.  Each such key
+  gets a code object of its own (:func:`_fresh`), so dynamo's cache and
+  recompile limit are per key and one key never evicts another.
+* **Buffer lengths are dynamic** (``dynamic=True``): a second param group, a
+  class of parameters, a chunk all reuse the graph.
 
-If compilation is unavailable (:func:`compile_available`) or fails (at the
-first call, when dynamo and inductor actually run), the optimizer falls back
-to the eager rule with one :class:`CompileFallbackWarning` per optimizer, and
-the failure is remembered for that cache key so other optimizers do not retry.
+Falling back is never silent: if compilation is unavailable or fails, or
+dynamo's recompile limit is reached for a key (after which dynamo would run
+the Python eagerly without a word), the optimizer warns once
+(:class:`CompileFallbackWarning`) and runs the eager backend, and
+:func:`dml_optim.backends.resolved_backends` reports ``"eager"``.  Two cases run
+the eager rule for a single call without a warning, because they are meant
+to: a ``TorchDispatchMode`` is active (the step audit, FLOP counters), or
+the caller is itself being traced by dynamo.
 
-Cost: on a fresh machine inductor's first CPU compile probes the compiler's
-vector ISA support (10-40 s on a 2-core VM, depending on load; cached on disk under
-``/tmp/torchinductor_$USER`` afterwards); each rule then takes 0.2 to 5 s.
+Cost: inductor's first CPU compile probes the compiler's vector ISA support
+(10-40 s on a 2-core VM; cached on disk afterwards); each kernel then takes
+0.2 to 5 s to compile, once per process (seconds less from inductor's disk
+cache).
 """
 
 from __future__ import annotations
@@ -54,17 +50,18 @@ import sys
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils import _python_dispatch
 
+from dml_optim.update import coefficient_dtype, fused_step
+
 __all__ = [
     "CompileFallbackWarning",
-    "CompiledRunner",
+    "KernelRunner",
     "compile_available",
-    "compiled_rule",
-    "runner_for",
+    "kernel",
     "fall_back",
     "fell_back",
     "clear_cache",
@@ -79,8 +76,8 @@ class CompileFallbackWarning(RuntimeWarning):
 #: ``torch.compile``, looked up through this name so tests can inject a failure.
 _torch_compile = torch.compile
 
-_CACHE: dict[tuple, Callable[..., None]] = {}
-#: Cache keys whose compilation failed, with the reason.
+_KERNELS: dict[tuple, Any] = {}
+#: Kernel keys that cannot run compiled, with the reason.
 _BROKEN: dict[tuple, str] = {}
 
 
@@ -93,12 +90,18 @@ def _is_compiling() -> bool:
 def _dispatch_mode_active() -> bool:
     """A ``TorchDispatchMode`` (op recorder, FLOP counter, FakeTensorMode, ...) is active.
 
-    Then the eager rule runs, so the mode sees real ops.  Calling the
-    compiled function under a mode would make dynamo skip its frame, and
-    keep skipping it after the mode exits (the compiled path would silently
-    run the uncompiled Python for good).
+    Then the eager rule runs, so the mode sees real ops; a compiled call under
+    a mode would make dynamo skip the frame for good.
     """
     return _python_dispatch._get_current_dispatch_mode() is not None
+
+
+def _counting_kernels():
+    """The active op recorder that counts compiled kernels (``OpRecorder(compiled=True)``), or None."""
+    from dml_optim.opcount import active_recorder
+
+    recorder = active_recorder()
+    return recorder if recorder is not None and recorder.compiled else None
 
 
 def _dynamo_supported() -> tuple[bool, str]:
@@ -150,68 +153,58 @@ def compile_available(device_type: str) -> tuple[bool, str]:
     return True, ""
 
 
-def _call_rule(opt, rule, x, g, states, scalars, scratch):
-    rule(opt, x, g, states, scalars, scratch)
+def _key_name(key: tuple) -> str:
+    cls, structure, names, cdtype, gated, has_out, has_comp, n_states, dtypes, device = key
+    parts = [cls.__name__, str(cdtype).replace("torch.", ""), device.replace(":", "")]
+    parts += [f"{k}_{v}" for k, v in structure]
+    parts += ["gated"] * gated + ["master"] * has_out + ["kahan"] * has_comp
+    return "_".join(p.replace(".", "_").replace("-", "_") for p in parts)
 
 
-def _fresh_code(key_name: str) -> Callable[..., None]:
-    """A copy of :func:`_call_rule` with a code object of its own.
-
-    Dynamo attaches its cache (and counts recompilations against the limit)
-    per code object; a distinct one per cache key keeps the keys apart.
-    """
-    code = _call_rule.__code__
-    name = f"_call_rule_{key_name}"
+def _fresh(fn, name: str):
+    """``fn`` with a code object of its own (dynamo keeps its cache and limit per code object)."""
+    code = fn.__code__
     replace = {"co_name": name}
     if sys.version_info >= (3, 11):
         replace["co_qualname"] = name
-    return types.FunctionType(code.replace(**replace), _call_rule.__globals__, name)
+    return types.FunctionType(code.replace(**replace), fn.__globals__, name, None, fn.__closure__)
 
 
-def _key_name(key: tuple) -> str:
-    rule, dtype, device_type, gated = key
-    owner = getattr(rule, "__qualname__", getattr(rule, "__name__", "rule")).replace(".", "_")
-    return f"{owner}_{str(dtype).replace('torch.', '')}_{device_type}{'_gated' if gated else ''}"
-
-
-def compiled_rule(rule: Callable, dtype: torch.dtype, device_type: str, *, gated: bool = False) -> Callable[..., None]:
-    """The compiled ``fn(opt, rule, x, g, states, scalars, scratch)`` for one cache key.
-
-    ``rule`` is an optimizer class's ``_rule`` function; ``gated`` says whether
-    the group constants arrive as 0-d tensors (the skip-on-overflow path).
-    """
-    key = (rule, dtype, device_type, gated)
-    fn = _CACHE.get(key)
+def kernel(key: tuple):
+    """The compiled callable of one kernel key (see :class:`KernelRunner` for the key's fields)."""
+    fn = _KERNELS.get(key)
     if fn is None:
-        fn = _torch_compile(_fresh_code(_key_name(key)))
-        _CACHE[key] = fn
+        cls, structure, names, cdtype, gated, has_out, has_comp, n_states, _, _ = key
+        structure_dict = dict(structure)
+
+        def step(*tensors):
+            fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, n_states, *tensors)
+
+        raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
+        fn = _torch_compile(raw, dynamic=True)
+        fn._dml_code = raw.__code__
+        _KERNELS[key] = fn
     return fn
 
 
 def clear_cache() -> None:
     """Forget compiled callables and remembered failures (dynamo's own caches stay)."""
-    _CACHE.clear()
+    _KERNELS.clear()
     _BROKEN.clear()
-    _RUNNERS.clear()
     compile_available.cache_clear()
 
 
 def cache_info() -> dict[str, Any]:
     """``{"compiled": [key names], "failed": {key name: reason}}`` for diagnostics."""
-    return {
-        "compiled": [_key_name(k) for k in _CACHE],
-        "failed": {_key_name(k): why for k, why in _BROKEN.items()},
-    }
+    return {"compiled": [_key_name(k) for k in _KERNELS], "failed": {_key_name(k): why for k, why in _BROKEN.items()}}
 
 
 # --------------------------------------------------------------------------
-# per-optimizer, per-buffer runners
+# falling back, loudly and once
 # --------------------------------------------------------------------------
 
 #: Optimizers that fell back to eager, with the reason (warned once each).
 _FALLEN_BACK: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
-#: One runner per flat buffer.
-_RUNNERS: "weakref.WeakKeyDictionary[Any, CompiledRunner]" = weakref.WeakKeyDictionary()
 
 
 def fall_back(opt, device, reason: str) -> None:
@@ -223,7 +216,7 @@ def fall_back(opt, device, reason: str) -> None:
         f"dml_optim: {type(opt).__name__} cannot use the compiled backend on {device}: {reason}; "
         "running the eager backend instead (same results, more memory traffic)",
         CompileFallbackWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 
@@ -232,13 +225,23 @@ def fell_back(opt) -> str | None:
     return _FALLEN_BACK.get(opt)
 
 
-def runner_for(opt, flat) -> "CompiledRunner":
-    """The (cached) compiled runner of ``opt``'s rule over ``flat``."""
-    runner = _RUNNERS.get(flat)
-    if runner is None or runner.opt_ref() is not opt:
-        runner = CompiledRunner(opt, flat.device)
-        _RUNNERS[flat] = runner
-    return runner
+def _recompile_limit() -> int:
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
+
+
+def _cache_entries(fn) -> int:
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # pragma: no cover - future torch
+        return 0
+    return len(_debug_get_cache_entry_list(fn._dml_code))
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
 
 
 def _denormals_flushed() -> bool:
@@ -246,78 +249,101 @@ def _denormals_flushed() -> bool:
     return sys.float_info.min * 0.5 == 0.0
 
 
-class CompiledRunner:
-    """Calls the compiled rule; a ``Runner`` ``(x, g, states, scalars, scratch) -> None``.
+class KernelRunner:
+    """Runs one class of a buffer through its compiled kernel; ``runner(group, flat, c, finite) -> bool``.
 
-    Coefficients (the keys of ``opt._coefficients``) are copied into 0-d
-    tensors owned by the runner (one per name and dtype), so the compiled
-    graph sees the same tensor metadata every step.
+    Returns False when the call must run eagerly instead (the caller does).
+    Float hyperparameters live in 0-d tensors owned by the runner, one set
+    per buffer, refilled only when a value changes (a scheduler's new ``lr``
+    costs one fill; constants cost nothing).
     """
 
-    #: The fused kernel needs no scratch (the optimizer then keeps only a small one).
-    uses_scratch = False
-
-    def __init__(self, opt, device: torch.device):
+    def __init__(self, opt):
         self.opt_ref = weakref.ref(opt)
-        self.device = device
-        self.rule = type(opt)._rule
-        group = opt.param_groups[0]
-        self.coefficient_names = frozenset(opt._coefficients(group, 1))
-        self._slots: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._slots: "weakref.WeakKeyDictionary[Any, dict[str, list]]" = weakref.WeakKeyDictionary()
 
-    def _slot(self, name: str, dtype: torch.dtype, value) -> torch.Tensor:
-        slot = self._slots.get((name, dtype))
-        if slot is None:
-            slot = torch.zeros((), dtype=dtype, device=self.device)
-            self._slots[(name, dtype)] = slot
-        if isinstance(value, torch.Tensor):
-            slot.copy_(value)
-        else:
-            slot.fill_(value)
-        return slot
-
-    def __call__(self, x: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tensor],
-                 scalars: dict[str, Any], scratch: Sequence[torch.Tensor]) -> None:
+    def key(self, group, flat) -> tuple:
+        """The kernel key of ``flat`` under ``group``'s current hyperparameters and options."""
         opt = self.opt_ref()
-        if opt is None or opt in _FALLEN_BACK or _is_compiling() or _dispatch_mode_active():
-            self._eager(opt, x, g, states, scalars, scratch)
-            return
-        coef_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        args = {}
-        gated = False
-        for name, value in scalars.items():
-            if name in self.coefficient_names:
-                value = self._slot(name, coef_dtype, value)
-            elif isinstance(value, torch.Tensor):
-                gated = True
-            args[name] = value
-        key = (self.rule, x.dtype, self.device.type, gated)
+        cls = type(opt)
+        structure, names = [], []
+        for h in cls.spec.hyperparameters:
+            value = group[h.name]
+            if h.kind != "float" or (h.name in cls.zero_skips and value == 0):
+                structure.append((h.name, value))
+            else:
+                names.append(h.name)
+        cdtype = opt._compute_dtype(group, flat.dtype)
+        x = flat.master if flat.master is not None else flat.data
+        dtypes = (x.dtype, flat.dtype) + tuple(s.dtype for s in flat.states.values())
+        n_states = len(cls.group_state_names(group))
+        return (cls, tuple(structure), tuple(names), cdtype, False, flat.master is not None, flat.kahan is not None,
+                n_states, dtypes, str(flat.device))
+
+    def _hyper(self, flat, names, group, dtype) -> list[torch.Tensor]:
+        slots = self._slots.get(flat)
+        if slots is None:
+            slots = self._slots[flat] = {}
+        out = []
+        for name in names:
+            value = float(group[name])
+            slot = slots.get(name)
+            if slot is None or slot[1].dtype != dtype or slot[1].device != flat.device:
+                slot = slots[name] = [value, torch.full((), value, dtype=dtype, device=flat.device)]
+            elif slot[0] != value:
+                slot[1].fill_(value)
+                slot[0] = value
+            out.append(slot[1])
+        return out
+
+    def __call__(self, group, flat, c, finite) -> bool:
+        opt = self.opt_ref()
+        counting = _counting_kernels()
+        if opt is None or opt in _FALLEN_BACK or _is_compiling() or (_dispatch_mode_active() and counting is None):
+            return False
+        key = self.key(group, flat)
+        if finite is not None:
+            key = key[:4] + (True,) + key[5:]
         if key in _BROKEN:
-            fall_back(opt, self.device, _BROKEN[key])
-            self._eager(opt, x, g, states, scalars, scratch)
-            return
-        fn = compiled_rule(self.rule, x.dtype, self.device.type, gated=gated)
+            fall_back(opt, flat.device, _BROKEN[key])
+            return False
+        cls = key[0]
+        names = key[2]
+        if c.tensor is None:
+            flat.counter.ensure_tensors(flat.device)
+        start, end = flat.segment(c.first, c.stop)
+        whole = start == 0 and end == flat.numel
+        cut = (lambda t: t) if whole else (lambda t: t[start:end])
+        x = flat.master if flat.master is not None else flat.data
+        args = [cut(x), cut(flat.grad)] + [cut(flat.states[n]) for n in cls.group_state_names(group)]
+        if flat.master is not None:
+            args.append(cut(flat.data))
+        if flat.kahan is not None:
+            args.append(cut(flat.kahan))
+        args.append(c.tensor)
+        if finite is not None:
+            args.append(finite)
+        args += self._hyper(flat, names, group, coefficient_dtype(flat.device))
+        fn = kernel(key)
         flushed = _denormals_flushed()
+        frames = _frames_compiled()
         try:
-            self._invoke(fn, opt, x, g, list(states), args, [None] * len(scratch))
-            if not flushed and _denormals_flushed():
-                # torch 2.4's inductor builds CPU kernels with -ffast-math; with gcc < 13 that
-                # links crtfastmath.o, whose constructor turns on flush-to-zero for the loading
-                # thread: the caller's floating-point semantics must not change behind its back
-                torch.set_flush_denormal(False)
+            if counting is not None:
+                counting.run_compiled(lambda: fn(*args))  # one op, run outside the recorder
+            else:
+                fn(*args)
         except Exception as exc:  # compile errors surface at the first call
-            reason = f"compilation failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
-            _BROKEN[key] = reason
-            fall_back(opt, self.device, reason)
-            self._eager(opt, x, g, states, scalars, scratch)
-
-    def _eager(self, opt, x, g, states, scalars, scratch) -> None:
-        """The eager rule; a compiled buffer's scratch is one chunk, too small for it,
-        so the rule then allocates its temporaries (correct, if not allocation free)."""
-        if scratch and scratch[0] is not None and scratch[0].numel() < x.numel():
-            scratch = [None] * len(scratch)
-        self.rule(opt, x, g, states, scalars, scratch)
-
-    def _invoke(self, fn, opt, x, g, states, args, scratch) -> None:
-        """Run the compiled graph: one fused kernel (the op-counting hook of the benchmark)."""
-        fn(opt, self.rule, x, g, states, args, scratch)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            _BROKEN[key] = f"compilation failed ({type(exc).__name__}: {first})"
+            fall_back(opt, flat.device, _BROKEN[key])
+            return False
+        if not flushed and _denormals_flushed():
+            # torch 2.4's inductor builds CPU kernels with -ffast-math; with gcc < 13 that links
+            # crtfastmath.o, whose constructor turns on flush-to-zero for the loading thread: the
+            # caller's floating-point semantics must not change behind its back
+            torch.set_flush_denormal(False)
+        if _frames_compiled() != frames and _cache_entries(fn) >= _recompile_limit():
+            _BROKEN[key] = (f"dynamo's recompile limit ({_recompile_limit()}) was reached for kernel "
+                            f"{_key_name(key)}; dynamo would run it uncompiled from now on")
+            fall_back(opt, flat.device, _BROKEN[key])
+        return True

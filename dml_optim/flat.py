@@ -1,89 +1,385 @@
-"""Pack the parameters of a param group into contiguous flat buffers.
+"""Flat storage: the parameters of a param group packed into contiguous buffers.
 
-One :class:`FlatBuffer` per (param group, device, dtype).  Packing happens
-once: each parameter's data is copied into the flat buffer and the *same*
-``Parameter`` object is re-pointed at its slice (``p.data = view``), so
+One :class:`FlatBuffer` per (param group, device, dtype), holding the group's
+*trainable* parameters (``requires_grad=True``; frozen ones are not packed and
+cost nothing).  Packing copies each parameter's values into the buffer and
+re-points the *same* ``Parameter`` object at its slice (``p.data = view``), so
 modules, DDP wrappers and user references keep working.  Gradients get the
-same treatment: ``p.grad`` is a view into a flat gradient buffer, so autograd
-accumulates straight into it and a step reads one tensor.  Optimizer states
-are flat buffers too, and per-parameter views of them are what
-``state_dict()`` exports.
+same treatment once they exist: ``p.grad`` becomes a view of a flat gradient
+buffer, so autograd accumulates straight into it and a step reads one tensor.
+The optimizer's states are flat buffers of the same layout.
 
-If a user replaces ``p.grad`` (or DDP with ``gradient_as_bucket_view=True``
-points it into its own buckets), :meth:`FlatBuffer.gather_grads` copies the
-foreign gradients into the flat buffer and re-points ``p.grad`` back; if the
-user re-binds ``p.data``, :meth:`FlatBuffer.adopt_params` copies it back in.
+Memory while packing: each parameter is re-pointed right after its copy, so
+its old storage is freed as packing goes (on the CPU, where untouched pages of
+the new buffer are not resident, the peak stays near one copy).  Off the CPU
+the new buffer is allocated whole, so by default (``pack_via="auto"``) the
+parameters are first staged through host memory: the device then never holds
+more than about one copy (:func:`pack_values`).  The flat gradient buffer is
+allocated when the first gradient arrives, not at construction.
+
+Bindings.  Between steps, code outside the optimizer can re-bind a parameter
+(``model.to()``, ``.half()``, ``p.data = t``) or its gradient (``p.grad = t``,
+``model.zero_grad()``, a DDP bucket view).  :meth:`FlatBuffer.check` finds
+out, cheaply when nothing changed: two C-level passes (``map`` over the
+parameters, comparing gradient identities and data pointers) for
+``checks="full"``; the first and last parameter only for ``checks="fast"``.
+Only when something changed does :meth:`FlatBuffer.diagnose` look at each
+parameter.  Parameters that are distributed tensors (``DTensor``, FSDP2) are
+*staged*: the buffer is a working copy of their local shards, copied in and
+out around each step (:attr:`FlatBuffer.staged`).
+
+Step counts.  :class:`StepCounter` keeps the completed steps of a buffer's
+parameters as *classes*: runs of parameters (in buffer order) that have
+stepped together.  While every parameter steps every step there is one class
+and one counter; ``None`` gradients split classes, and a re-pack
+(:meth:`FlatBuffer.permute`) makes each class contiguous again, so a step runs
+the rule once per distinct step count, not once per run of parameters.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import torch
 
-__all__ = ["FlatBuffer", "Run", "group_key", "describe_param"]
+__all__ = [
+    "FlatBuffer",
+    "StepCounter",
+    "StepClass",
+    "Binding",
+    "group_key",
+    "describe_param",
+    "local_tensor",
+    "is_distributed",
+    "pack_values",
+]
+
+_GRAD = operator.attrgetter("grad")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+# -- distributed tensors ------------------------------------------------------------
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor  # torch >= 2.5
+    except ImportError:
+        try:
+            from torch.distributed._tensor import DTensor  # torch 2.4
+        except ImportError:  # a build without torch.distributed
+            return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def is_distributed(t) -> bool:
+    """True for a ``DTensor`` (an FSDP2 / tensor-parallel parameter or gradient)."""
+    return _DTENSOR is not None and isinstance(t, _DTENSOR)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: the local shard of a ``DTensor``, else ``t`` itself."""
+    return t._local_tensor if is_distributed(t) else t
 
 
 def group_key(p: torch.Tensor) -> tuple[str, torch.dtype]:
-    """The (device, dtype) a parameter is packed by."""
-    return (str(p.device), p.dtype)
+    """The (device, dtype) a parameter is packed by (a DTensor's local device)."""
+    return (str(local_tensor(p).device), p.dtype)
 
 
 def describe_param(p: torch.Tensor, index: int, group_index: int) -> str:
-    """``param_groups[g]['params'][i] (shape (..), dtype)``: how errors name a parameter."""
-    return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
+    """``param_groups[g]['params'][i] (shape (..), dtype, device)``: how errors name a parameter."""
+    return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(p.shape)}, {p.dtype}, {local_tensor(p).device})"
 
 
-@dataclass(frozen=True)
-class Run:
-    """A contiguous range of parameters ``[first, stop)`` updated together."""
+# -- packing values with a bounded peak ------------------------------------------------------
+
+
+def pack_values(sources: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, device: torch.device,
+                via_host: bool, rebind: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """A new flat tensor holding ``sources`` (flattened, cast to ``dtype``) back to back.
+
+    ``rebind``: tensors whose ``.data`` is re-pointed at their slice as soon
+    as it is filled, so their old storage is released while packing goes on.
+    ``via_host``: stage the sources through host memory first (their device
+    storage is released before the flat tensor is allocated), so the device
+    holds about one copy at the peak instead of two.  If anything fails, the
+    rebound tensors get their original storage back.
+    """
+    staged: list[torch.Tensor] | None = None
+    originals = [t.data for t in rebind] if rebind is not None else None
+    try:
+        with torch.no_grad():
+            if via_host:
+                staged = [s.detach().to("cpu", copy=True) for s in sources]
+                if rebind is not None:
+                    for t, s in zip(rebind, staged):
+                        t.data = s.view(t.shape)
+                sources = staged
+            flat = torch.empty(numel, dtype=dtype, device=device)
+            offset = 0
+            for i, s in enumerate(sources):
+                n = s.numel()
+                view = flat[offset : offset + n]
+                view.copy_(s.detach().reshape(-1))
+                if rebind is not None:
+                    rebind[i].data = view.view(rebind[i].shape)
+                offset += n
+            return flat
+    except BaseException:
+        if rebind is not None:
+            for t, original in zip(rebind, originals):
+                t.data = original
+        raise
+
+
+# -- step counts --------------------------------------------------------------------------
+
+
+@dataclass
+class StepClass:
+    """Parameters ``[first, stop)`` of a buffer that have stepped together.
+
+    ``count``: their completed steps, known on the host (None once a gated
+    step may or may not have happened: only the device knows).  ``tensor``:
+    the same count as a 0-d int64 on the buffer's device, when kernels read it
+    there (compiled backend, gated steps, ``capturable``).  ``key``: identity
+    for merging (equal keys mean equal counts).  ``active``: has a gradient in
+    the step being planned.
+    """
 
     first: int
     stop: int
-    start: int  # element offset in the flat buffer
-    end: int
+    count: int | None
+    key: Hashable
+    tensor: torch.Tensor | None = None
+    active: bool = True
+
+
+class StepCounter:
+    """Completed-step counts of one buffer's parameters, as :class:`StepClass` runs in buffer order."""
+
+    __slots__ = ("classes", "_next_id")
+
+    def __init__(self, n: int, count: int = 0):
+        self.classes: list[StepClass] = [StepClass(0, n, count, ("n", count))]
+        self._next_id = 0
+
+    # -- reading -------------------------------------------------------------------
+
+    @property
+    def known(self) -> bool:
+        """Every count is known on the host (no gated step happened since the last load)."""
+        return all(c.count is not None for c in self.classes)
+
+    def counts(self) -> list[int]:
+        """Per-parameter completed steps (reads device counters: a host sync if unknown on the host)."""
+        out: list[int] = []
+        for c in self.classes:
+            n = c.count if c.count is not None else int(c.tensor.item())
+            out.extend([n] * (c.stop - c.first))
+        return out
+
+    def max_count(self) -> int:
+        return max((c.count if c.count is not None else int(c.tensor.item())) for c in self.classes) if self.classes else 0
+
+    # -- writing -------------------------------------------------------------------
+
+    def set_counts(self, counts: Sequence[int], device: torch.device | None = None) -> None:
+        """Replace every count (a load); ``device``: also keep device counters there."""
+        classes: list[StepClass] = []
+        for i, n in enumerate(counts):
+            if classes and classes[-1].count == n:
+                classes[-1].stop = i + 1
+            else:
+                classes.append(StepClass(i, i + 1, int(n), ("n", int(n))))
+        if not classes:
+            classes = [StepClass(0, 0, 0, ("n", 0))]
+        self.classes = classes
+        if device is not None:
+            self.ensure_tensors(device)
+
+    def ensure_tensors(self, device: torch.device) -> None:
+        """Give every class a device counter (one fill each, first time only)."""
+        for c in self.classes:
+            if c.tensor is None:
+                c.tensor = torch.full((), c.count, dtype=torch.int64, device=device)
+
+    def forget_host_counts(self) -> None:
+        """Counts are the device's from now on (``capturable``: replays don't run the host)."""
+        for c in self.classes:
+            if c.count is not None:
+                c.count = None
+                c.key = self._new_key()
+
+    def _new_key(self) -> tuple[str, int]:
+        self._next_id += 1
+        return ("h", self._next_id)
+
+    def split(self, active: Sequence[bool] | None) -> None:
+        """Refine the classes so that none mixes parameters with and without a gradient.
+
+        A class split in two keeps one device counter for its inactive part and
+        a copy for the active part (one op), so the two can then diverge.
+        """
+        if active is None:
+            for c in self.classes:
+                c.active = True
+            return
+        out: list[StepClass] = []
+        for c in self.classes:
+            clones: dict[bool, torch.Tensor | None] = {}
+            start = c.first
+            for i in range(c.first + 1, c.stop + 1):
+                if i == c.stop or active[i] != active[start]:
+                    flag = bool(active[start])
+                    if flag not in clones:
+                        clones[flag] = c.tensor if not clones or c.tensor is None else c.tensor.clone()
+                    out.append(StepClass(start, i, c.count, c.key, clones[flag], flag))
+                    start = i
+        self.classes = out
+
+    def order(self) -> list[int] | None:
+        """A parameter order that makes each (active, key) one contiguous class, or None if it already is."""
+        seen: dict[tuple, int] = {}
+        contiguous = True
+        previous = None
+        for c in self.classes:
+            k = (c.active, c.key)
+            if k in seen and k != previous:
+                contiguous = False
+            seen.setdefault(k, len(seen))
+            previous = k
+        inactive_runs = sum(1 for a, b in zip(self.classes, self.classes[1:] + [None])
+                            if not a.active and (b is None or b.active))
+        if contiguous and inactive_runs <= 1:
+            return None
+        rank = {k: (not k[0], r) for k, r in seen.items()}  # active classes first, inactive ones last
+        ordered = sorted(self.classes, key=lambda c: rank[(c.active, c.key)])
+        return [i for c in ordered for i in range(c.first, c.stop)]
+
+    def permute(self, order: Sequence[int]) -> None:
+        """Re-number the classes after the buffer was re-packed in ``order``."""
+        where = {i: pos for pos, i in enumerate(order)}
+        pieces = sorted(((where[c.first], c) for c in self.classes), key=lambda t: t[0])
+        out: list[StepClass] = []
+        for start, c in pieces:
+            size = c.stop - c.first
+            out.append(StepClass(start, start + size, c.count, c.key, c.tensor, c.active))
+        self.classes = out
+        self.merge()
+
+    def advance(self, gated: bool) -> None:
+        """Host bookkeeping after the kernels of a step ran for every active class.
+
+        ``gated``: the device decided whether the step happened (the active
+        classes' counts become unknown on the host; classes that stepped
+        together keep one identity).  Adjacent classes with equal keys merge.
+        """
+        renamed: dict[Hashable, Hashable] = {}
+        for c in self.classes:
+            if not c.active:
+                continue
+            if gated or c.count is None:
+                if c.key not in renamed:
+                    renamed[c.key] = self._new_key()
+                c.key = renamed[c.key]
+                c.count = None
+            else:
+                c.count += 1
+                c.key = ("n", c.count)
+        self.merge()
+
+    def merge(self) -> None:
+        """Join adjacent classes with the same key and activity (equal counts: one counter)."""
+        out: list[StepClass] = []
+        for c in self.classes:
+            if out and out[-1].key == c.key and out[-1].active == c.active and out[-1].stop == c.first:
+                last = out[-1]
+                last.stop = c.stop
+                if last.tensor is None:
+                    last.tensor = c.tensor
+            else:
+                out.append(c)
+        self.classes = out
+
+
+# -- the buffer ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Binding:
+    """What changed in a buffer's bindings since the last step (:meth:`FlatBuffer.diagnose`).
+
+    ``active``: per parameter, whether it has a gradient (None: all do).
+    ``foreign``: parameters whose gradient is not a view of the flat gradient
+    buffer (replaced, fresh after ``set_to_none``, a DDP bucket view).
+    ``rebound``: parameters whose ``.data`` no longer lives in the buffer.
+    """
+
+    active: list[bool] | None
+    foreign: list[int]
+    rebound: list[int]
 
 
 class FlatBuffer:
-    """The flat storage of one (param group, device, dtype).
+    """The flat storage of one (param group, device, dtype): every field declared here.
 
     Attributes:
-        params: the packed parameters, in group order.
+        params: the packed parameters, in buffer order.
         indices: each parameter's index in its param group's ``params`` list.
         offsets: element offset of each parameter; ``offsets[-1]`` is the total.
-        data: the flat parameter buffer (every ``p.data`` is a view of it).
-        grad: the flat gradient buffer (every ``p.grad`` is a view of it).
-        states: flat state buffers by name (allocated by the optimizer).
+        device, dtype: of the parameters (their local shards, when staged).
+        data: the flat parameter buffer (``p.data`` is a view of it, unless staged).
+        grad: the flat gradient buffer (None until the first gradient arrives).
+        grad_views: per-parameter views of ``grad`` (the objects ``p.grad`` is set to).
+        ptrs: ``p.data_ptr()`` of each parameter when last bound (binding checks).
+        states: flat state buffers by name (allocated by the optimizer at its first step).
+        master: the FP32 master copy of the parameters (``master_weights=True``) or None.
+        kahan: the Kahan compensation buffer (``kahan=True``) or None.
+        scratch: the rule's scratch tensors (full size, or one chunk).
+        counter: the parameters' step counts.
+        precision: the precision options the states were allocated with.
+        owned: False when ``data`` is another component's storage (a ZeRO bucket): never re-packed.
+        staged: the parameters are DTensors; ``data`` is a working copy of their local shards.
+        version: ``grad._version`` after the last step (``checks="fast"``).
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], indices: Sequence[int]):
+    __slots__ = ("params", "indices", "offsets", "device", "dtype", "data", "grad", "grad_views", "ptrs", "states",
+                 "master", "kahan", "scratch", "counter", "precision", "owned", "staged", "version", "__weakref__")
+
+    def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False):
         self.params = list(params)
         self.indices = list(indices)
-        first = self.params[0]
+        first = local_tensor(self.params[0])
         self.device = first.device
         self.dtype = first.dtype
-        offsets = [0]
-        for p in self.params:
-            offsets.append(offsets[-1] + p.numel())
-        self.offsets = offsets
-        with torch.no_grad():
-            self.data = torch.empty(offsets[-1], dtype=self.dtype, device=self.device)
-            self.grad = torch.zeros(offsets[-1], dtype=self.dtype, device=self.device)
-            for p, view in zip(self.params, self._views(self.data)):
-                view.copy_(p.detach().reshape(-1))
-            for p, view, gview in zip(self.params, self._views(self.data), self._views(self.grad)):
-                if p.grad is not None:
-                    gview.copy_(p.grad.detach().reshape(-1))
-                p.data = view.view_as(p)
-        self.grad_views = [g.view(p.shape) for p, g in zip(self.params, self._views(self.grad))]
-        for p, g in zip(self.params, self.grad_views):
-            if p.grad is not None:
-                p.grad = g
-        self._ptrs = [p.data_ptr() for p in self.params]
+        self.staged = any(is_distributed(p) for p in self.params)
+        self.offsets = _offsets(local_tensor(p) for p in self.params)
+        locals_ = [local_tensor(p) for p in self.params]
+        self.data = pack_values(locals_, self.numel, self.dtype, self.device, via_host and not self.staged,
+                                rebind=None if self.staged else self.params)
+        self.grad: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor | None] = [None] * len(self.params)
+        self.ptrs = [] if self.staged else list(map(_DATA_PTR, self.params))
         self.states: dict[str, torch.Tensor] = {}
+        self.master: torch.Tensor | None = None
+        self.kahan: torch.Tensor | None = None
+        self.scratch: list[torch.Tensor] = []
+        self.counter = StepCounter(len(self.params))
+        self.precision: tuple | None = None
+        self.owned = True
+        self.version = -1
+        if any(g is not None for g in map(_GRAD, self.params)):
+            self.ensure_grad()
+            self.gather_grads([i for i, p in enumerate(self.params) if p.grad is not None])
 
-    # -- layout --------------------------------------------------------------
+    # -- layout --------------------------------------------------------------------
 
     @property
     def numel(self) -> int:
@@ -92,32 +388,138 @@ class FlatBuffer:
     def __len__(self) -> int:
         return len(self.params)
 
-    def _views(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
+    def segment(self, first: int, stop: int) -> tuple[int, int]:
+        """Element range ``[start, end)`` of parameters ``[first, stop)``."""
+        return self.offsets[first], self.offsets[stop]
+
+    def _slices(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
         for a, b in zip(self.offsets[:-1], self.offsets[1:]):
             yield flat[a:b]
 
+    def shapes(self) -> list[torch.Size]:
+        return [local_tensor(p).shape for p in self.params]
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views (parameter shapes) of a flat buffer of this layout."""
-        return [v.view(p.shape) for p, v in zip(self.params, self._views(flat))]
+        """Per-parameter views (local shapes) of a flat tensor of this layout."""
+        return [v.view(shape) for shape, v in zip(self.shapes(), self._slices(flat))]
 
-    def runs(self, keys: Sequence) -> list[tuple[object, Run]]:
-        """Maximal runs of consecutive parameters with equal ``keys[i]``."""
-        out: list[tuple[object, Run]] = []
-        first = 0
-        for i in range(1, len(keys) + 1):
-            if i == len(keys) or keys[i] != keys[first]:
-                out.append((keys[first], Run(first, i, self.offsets[first], self.offsets[i])))
-                first = i
-        return out
+    def tensors(self) -> list[torch.Tensor]:
+        """Every flat tensor a step writes (parameters, gradients, states, master, compensation)."""
+        out = [self.data] + ([self.grad] if self.grad is not None else []) + list(self.states.values())
+        return out + [t for t in (self.master, self.kahan) if t is not None]
 
-    # -- keeping parameters and gradients in the buffers ----------------------
+    # -- gradients -------------------------------------------------------------------
 
-    def params_moved(self) -> list[int]:
-        """Indices of parameters whose ``.data`` no longer lives in the buffer."""
-        return [i for i, (p, ptr) in enumerate(zip(self.params, self._ptrs)) if p.data_ptr() != ptr or not p.is_contiguous()]
+    def ensure_grad(self) -> torch.Tensor:
+        """The flat gradient buffer, allocated (zeros) the first time it is needed."""
+        if self.grad is None:
+            with torch.no_grad():
+                self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            self.grad_views = self.views(self.grad)
+        return self.grad
+
+    def gather_grads(self, foreign: Sequence[int]) -> None:
+        """Copy the gradients of parameters ``foreign`` into the flat buffer and re-point ``p.grad``
+        (staged buffers copy the local shards and leave ``p.grad`` alone)."""
+        self.ensure_grad()
+        with torch.no_grad():
+            for i in foreign:
+                p = self.params[i]
+                self.grad_views[i].copy_(local_tensor(p.grad))
+                if not self.staged:
+                    p.grad = self.grad_views[i]
+
+    def attach_grads(self) -> None:
+        """Point every ``p.grad`` at its view of the flat gradient buffer (staged: no-op)."""
+        self.ensure_grad()
+        if not self.staged:
+            for p, view in zip(self.params, self.grad_views):
+                p.grad = view
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Zero the gradients in one op (or set them to ``None``).
+
+        Like torch.optim, a gradient that is ``None`` stays ``None``; a foreign
+        gradient tensor is re-pointed at its zeroed view of the flat buffer.
+        """
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
+            if self.grad is not None:
+                self.grad.zero_()  # stale slots must not reach a non-finite check
+            return
+        grads = list(map(_GRAD, self.params))
+        if self.staged:
+            for g in grads:
+                if g is not None:
+                    g.zero_()
+            return
+        if self.grad is None:
+            if all(g is None for g in grads):
+                return
+            self.ensure_grad()
+        self.grad.zero_()
+        for p, g, view in zip(self.params, grads, self.grad_views):
+            if g is not None and g is not view:  # a None gradient stays None, as in torch.optim
+                p.grad = view
+
+    # -- bindings -----------------------------------------------------------------------
+
+    def check(self, full: bool) -> bool:
+        """True when nothing about the bindings changed since the last step (the fast path).
+
+        ``full``: compare every parameter's gradient identity and data pointer
+        in two C-level passes; otherwise only the first and last parameter's
+        (and the gradient buffer must have been written since the last step).
+        Staged buffers always re-read their shards, so only gradients are checked.
+        """
+        params, views = self.params, self.grad_views
+        if self.grad is None:
+            return False
+        if full:
+            if not all(map(operator.is_, map(_GRAD, params), views)):
+                return False
+            return self.staged or list(map(_DATA_PTR, params)) == self.ptrs
+        ends = (0, len(params) - 1)
+        if self.grad._version == self.version:
+            return False
+        return all(params[i].grad is views[i] and (self.staged or params[i].data_ptr() == self.ptrs[i]) for i in ends)
+
+    def moved(self, full: bool) -> bool:
+        """Some parameter's ``.data`` may have left the buffer (every pointer, or the first and last)."""
+        if self.staged:
+            return False
+        if full:
+            return list(map(_DATA_PTR, self.params)) != self.ptrs
+        return any(self.params[i].data_ptr() != self.ptrs[i] for i in (0, len(self.params) - 1))
+
+    def rebound(self) -> list[int]:
+        """Parameters whose ``.data`` no longer is their slice of the buffer."""
+        if self.staged:
+            return []
+        return [i for i, (p, a, b) in enumerate(zip(self.params, map(_DATA_PTR, self.params), self.ptrs))
+                if a != b or not p.is_contiguous()]
+
+    def diagnose(self) -> Binding:
+        """Per-parameter look at what changed (only called when :meth:`check` is False)."""
+        grads = list(map(_GRAD, self.params))
+        active = [g is not None for g in grads]
+        if self.staged:
+            return Binding(None if all(active) else active, [i for i, g in enumerate(grads) if g is not None], [])
+        rebound = self.rebound()
+        home = _storage(self.grad) if self.grad is not None else None
+        # model.to() re-binds the .data of the gradient objects we handed out: those are foreign too
+        foreign = [i for i, (g, v) in enumerate(zip(grads, self.grad_views))
+                   if g is not None and (g is not v or _storage(g) != home)]
+        return Binding(None if all(active) else active, foreign, rebound)
+
+    def mark_clean(self) -> None:
+        """Record the state the fast path compares against (after a step)."""
+        if self.grad is not None:
+            self.version = self.grad._version
 
     def adopt_params(self, moved: Sequence[int]) -> None:
-        """Copy re-bound parameters back into the buffer and re-point them.
+        """Copy re-bound parameters (same dtype, device and shape) back into the buffer and re-point them.
 
         Exception: if *every* parameter was re-bound to a packed slice of one
         storage, in buffer order and at buffer offsets (what
@@ -127,7 +529,7 @@ class FlatBuffer:
         """
         if self._rebase(moved):
             return
-        storages = [self.params[i].untyped_storage().data_ptr() for i in moved]
+        storages = [_storage(self.params[i]) for i in moved]
         if len(set(storages)) < len(storages):
             raise RuntimeError(
                 "parameters of this optimizer were re-bound into a shared buffer by another component "
@@ -137,10 +539,12 @@ class FlatBuffer:
                 "or disable the bucket view."
             )
         with torch.no_grad():
-            for i, p, view in zip(range(len(self)), self.params, self._views(self.data)):
-                if i in moved:
-                    view.copy_(p.detach().reshape(-1))
-                    p.data = view.view_as(p)
+            for i in moved:
+                p = self.params[i]
+                a, b = self.offsets[i], self.offsets[i + 1]
+                self.data[a:b].copy_(p.detach().reshape(-1))
+                p.data = self.data[a:b].view(p.shape)
+                self.ptrs[i] = p.data_ptr()
 
     def _rebase(self, moved: Sequence[int]) -> bool:
         """Make the storage all parameters were re-bound into the flat buffer, if they tile it in order."""
@@ -155,46 +559,85 @@ class FlatBuffer:
                 return False
         with torch.no_grad():
             self.data = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, base, (self.numel,))
-        self._ptrs = [p.data_ptr() for p in self.params]
+        self.ptrs = list(map(_DATA_PTR, self.params))
+        self.owned = False
         return True
 
-    def grad_status(self) -> tuple[list[bool], list[int]]:
-        """``(has_grad, foreign)``: which params have a gradient, and which of
-        those gradients are not views of the flat gradient buffer."""
-        has_grad: list[bool] = []
-        foreign: list[int] = []
-        for i, (p, g) in enumerate(zip(self.params, self.grad_views)):
-            grad = p.grad
-            has_grad.append(grad is not None)
-            if grad is not None and grad is not g:
-                foreign.append(i)
-        return has_grad, foreign
+    # -- staged (DTensor) buffers -------------------------------------------------------------
 
-    def gather_grads(self, foreign: Sequence[int]) -> None:
-        """Copy foreign gradients into the flat buffer and re-point ``p.grad``."""
-        for i in foreign:
-            p = self.params[i]
-            self.grad_views[i].copy_(p.grad)
-            p.grad = self.grad_views[i]
+    def stage_in(self) -> None:
+        """Copy the local shards of the parameters into the working buffer (staged buffers)."""
+        with torch.no_grad():
+            _copy_many([t.reshape(-1) for t in self._slices(self.data)],
+                       [local_tensor(p).reshape(-1) for p in self.params])
 
-    def attach_grads(self) -> None:
-        """Point every ``p.grad`` at its view of the flat gradient buffer
-        (for code that writes gradients straight into ``flat.grad``)."""
-        for p, g in zip(self.params, self.grad_views):
-            p.grad = g
+    def stage_out(self) -> None:
+        """Copy the updated working buffer back into the local shards (staged buffers)."""
+        with torch.no_grad():
+            _copy_many([local_tensor(p).view(-1) for p in self.params], list(self._slices(self.data)))
 
-    def zero_grad(self, set_to_none: bool) -> None:
-        """Zero the gradients in one op (or set them to ``None``).
+    # -- re-packing ---------------------------------------------------------------------------
 
-        Like torch.optim, a gradient that is ``None`` stays ``None``; a foreign
-        gradient tensor (replaced by the user, or a DDP bucket view) is
-        re-pointed at its zeroed view of the flat buffer.
+    def permute(self, order: Sequence[int]) -> None:
+        """Re-pack in parameter ``order`` (same device and dtype), carrying every flat tensor.
+
+        One ``cat`` per flat tensor (a transient second copy of one tensor at
+        a time); parameters and gradients are re-pointed at their new slices.
         """
-        if set_to_none:
-            for p in self.params:
-                p.grad = None
-            return
-        self.grad.zero_()
-        for p, g in zip(self.params, self.grad_views):
-            if p.grad is not None and p.grad is not g:  # a None gradient stays None, as in torch.optim
-                p.grad = g
+        order = list(order)
+        old_views = {id(t): list(self._slices(t)) for t in self.tensors()}
+        new_offsets = _offsets(local_tensor(self.params[i]) for i in order)
+
+        def repacked(t: torch.Tensor) -> torch.Tensor:
+            pieces = old_views[id(t)]
+            out = torch.empty_like(t)
+            torch.cat([pieces[i] for i in order], out=out)
+            return out
+
+        with torch.no_grad():
+            data = repacked(self.data)
+            grad = repacked(self.grad) if self.grad is not None else None
+            states = {k: repacked(v) for k, v in self.states.items()}
+            master = repacked(self.master) if self.master is not None else None
+            kahan = repacked(self.kahan) if self.kahan is not None else None
+        grads = list(map(_GRAD, self.params))
+        self.params = [self.params[i] for i in order]
+        self.indices = [self.indices[i] for i in order]
+        self.offsets = new_offsets
+        self.data, self.grad, self.states, self.master, self.kahan = data, grad, states, master, kahan
+        if not self.staged:
+            for p, view in zip(self.params, self.views(self.data)):
+                p.data = view
+            self.ptrs = list(map(_DATA_PTR, self.params))
+        if self.grad is not None:
+            self.grad_views = self.views(self.grad)
+            if not self.staged:
+                for p, g, view in zip(self.params, [grads[i] for i in order], self.grad_views):
+                    if g is not None:
+                        p.grad = view
+        else:
+            self.grad_views = [None] * len(self.params)
+        self.scratch = []
+        self.counter.permute(order)
+
+
+def _offsets(tensors) -> list[int]:
+    offsets = [0]
+    for t in tensors:
+        offsets.append(offsets[-1] + t.numel())
+    return offsets
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _copy_many(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i; one foreach op where torch has it."""
+    if not dst:
+        return
+    if hasattr(torch, "_foreach_copy_") and dst[0].device.type in ("cpu", "cuda"):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)

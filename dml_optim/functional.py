@@ -20,7 +20,7 @@ the ONNX calling convention (inputs ``R, T, X..., G..., states...``; outputs
 ``X_new..., states_new...``), validate everything first, never modify their
 inputs and are what the optimizers, the ONNX runner and the tests share.
 
-Formulas (DESIGN.md §2; ``*`` element-wise)::
+Formulas (``*`` element-wise; the specs are quoted in docs/design.md)::
 
     ONNX Adagrad:   r = R / (1 + T * decay_factor)
                     G_reg = norm_coefficient * X + G
@@ -38,6 +38,10 @@ Formulas (DESIGN.md §2; ``*`` element-wise)::
     DirectML Adam:  M = Beta1 * M + (1 - Beta1) * G
                     V = Beta2 * V + (1 - Beta2) * G * G
                     X = X - LearningRate * sqrt(1 - Beta2**T) / (1 - Beta1**T) * M / (sqrt(V) + Epsilon)
+
+torch's AdamW (decoupled weight decay, epsilon after the bias correction)
+runs through the same ``adam_`` kernel with step-dependent ``epsilon`` and a
+``decay`` factor (:func:`adamw_coefficients`).
 
 DirectML's rule is ONNX Adam with ``norm_coefficient = norm_coefficient_post = 0``
 except at ``T = 0``, where DirectML computes ``0/0`` (NaN parameters) while ONNX
@@ -70,6 +74,7 @@ __all__ = [
     "momentum_coefficients",
     "adam_coefficients",
     "dml_adam_coefficients",
+    "adamw_coefficients",
     "MOMENTUM_MODES",
     "check_hyperparameter",
     "check_float_tensor",
@@ -217,6 +222,20 @@ def _sqrt(a: Scalar) -> Scalar:
     return math.sqrt(a)
 
 
+def _one_minus_pow(base: Scalar, T: Scalar) -> Scalar:
+    """``1 - base**T``, precise on the device too.
+
+    For a tensor ``T`` this is ``-expm1(T * log(base))``: ``1 - base**T`` in
+    float32 loses most digits to cancellation when ``base`` is near 1 (0.999:
+    relative error 1e-5), while ``log(base)`` is taken in float64 on the host
+    (a Python ``base``) and ``expm1`` keeps the small result precise.
+    """
+    if not isinstance(T, torch.Tensor) and not isinstance(base, torch.Tensor):
+        return 1 - base**T
+    log_base = torch.log(base) if isinstance(base, torch.Tensor) else (math.log(base) if base > 0 else -math.inf)
+    return torch.expm1(T * log_base).neg()
+
+
 def _step(T: Scalar) -> Scalar:
     """A tensor step counter as floating point (an integer one would truncate the
     coefficients computed from it); float32 unless it is already a float type."""
@@ -240,13 +259,33 @@ def momentum_coefficients(R: Scalar, T: Scalar, *, beta: float) -> dict[str, Sca
 def adam_coefficients(R: Scalar, T: Scalar, *, alpha: float, beta: float) -> dict[str, Scalar]:
     """ONNX: ``{"step_size": R * sqrt(1 - beta**T) / (1 - alpha**T) if T > 0 else R}``."""
     T = _step(T)
-    return {"step_size": _where(T > 0, _div(R * _sqrt(1 - beta**T), 1 - alpha**T), R, like=T)}
+    return {"step_size": _where(T > 0, _div(R * _sqrt(_one_minus_pow(beta, T)), _one_minus_pow(alpha, T)), R, like=T)}
+
+
+def adamw_coefficients(lr: Scalar, T: Scalar, *, beta1: float, beta2: float, eps: Scalar,
+                       weight_decay: Scalar) -> dict[str, Scalar]:
+    """torch's AdamW (T from 1) in the form of :func:`adam_`'s scalars.
+
+    torch computes ``X - lr / (1 - beta1**T) * V / (sqrt(H) / sqrt(1 - beta2**T) + eps)``
+    after ``X *= 1 - lr * weight_decay``.  Multiplying numerator and
+    denominator by ``sqrt(1 - beta2**T)`` gives :func:`adam_`'s form with::
+
+        step_size = lr * sqrt(1 - beta2**T) / (1 - beta1**T)
+        epsilon   = eps * sqrt(1 - beta2**T)
+        decay     = 1 - lr * weight_decay
+
+    (the same update, one division fewer per element).
+    """
+    T = _step(T)
+    root = _sqrt(_one_minus_pow(beta2, T))
+    decay = 1 - lr * weight_decay if isinstance(weight_decay, torch.Tensor) or weight_decay else 1.0
+    return {"step_size": _div(lr * root, _one_minus_pow(beta1, T)), "epsilon": eps * root, "decay": decay}
 
 
 def dml_adam_coefficients(learning_rate: Scalar, T: Scalar, *, beta1: float, beta2: float) -> dict[str, Scalar]:
     """DirectML: ``{"step_size": LearningRate * sqrt(1 - Beta2**T) / (1 - Beta1**T)}`` (NaN at T = 0)."""
     T = _step(T)
-    return {"step_size": _div(learning_rate * _sqrt(1 - beta2**T), 1 - beta1**T)}
+    return {"step_size": _div(learning_rate * _sqrt(_one_minus_pow(beta2, T)), _one_minus_pow(beta1, T))}
 
 
 # --------------------------------------------------------------------------
@@ -349,22 +388,38 @@ def adam_(
     epsilon: Scalar,
     norm_coefficient: Scalar = 0.0,
     norm_coefficient_post: Scalar = 0.0,
+    decay: Scalar = 1.0,
+    grad_sign: float = 1.0,
+    h_max: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
     scratch2: torch.Tensor | None = None,
 ) -> None:
-    """ONNX Adam (and DirectML ADAM_OPTIMIZER) in place on ``x``/``v``/``h``.
+    """ONNX Adam (and DirectML ADAM_OPTIMIZER, and torch's AdamW) in place on ``x``/``v``/``h``::
 
-    ``step_size`` is ``adam_coefficients(...)`` or ``dml_adam_coefficients(...)``'s
-    ``"step_size"``.  The second-moment term uses ``(1 - beta)`` computed here,
-    so with tensor ``alpha``/``beta`` the result stays exact for a no-op step
-    (``alpha = beta = 1``, ``step_size = 0``).  ``scratch2`` is needed only
-    with a nonzero ``norm_coefficient`` and a tensor ``beta`` (else allocated).
+        X = decay * X                                   (AdamW: 1 - lr * weight_decay)
+        G_reg = norm_coefficient * X + grad_sign * G    (grad_sign -1: maximize)
+        V = alpha * V + (1 - alpha) * G_reg
+        H = beta * H + (1 - beta) * G_reg * G_reg
+        H_max = max(H_max, H)                           (AMSGrad, when h_max is given)
+        X = X - step_size * V / (sqrt(H or H_max) + epsilon)
+        X = (1 - norm_coefficient_post) * X
+
+    ``step_size`` is ``adam_coefficients``, ``dml_adam_coefficients`` or
+    ``adamw_coefficients``'s ``"step_size"`` (AdamW also sets ``epsilon`` and
+    ``decay``).  The second-moment term uses ``(1 - beta)`` computed here, so
+    with tensor ``alpha``/``beta`` the result stays exact for a no-op step
+    (``alpha = beta = 1``, ``step_size = 0``).  ``grad_sign`` must be 1 when
+    ``norm_coefficient`` is nonzero.  ``scratch2`` is needed only with a
+    nonzero ``norm_coefficient`` and a tensor ``beta`` (else allocated).
     """
+    _scale_(x, decay)
     g_reg = _regularized(x, g, norm_coefficient, scratch)
     _scale_(v, alpha)
-    _axpy_(v, g_reg, 1 - alpha)
+    _axpy_(v, g_reg, (1 - alpha) * grad_sign)
     _scale_(h, beta)
     _add_square_(h, g_reg, 1 - beta, scratch if g_reg is not scratch else scratch2)
+    if h_max is not None:
+        h = torch.maximum(h_max, h, out=h_max)
     den = torch.sqrt(h, out=scratch).add_(epsilon)
     _add_ratio_(x, v, den, step_size.neg() if isinstance(step_size, torch.Tensor) else -step_size)
     _scale_(x, 1 - norm_coefficient_post)

@@ -27,6 +27,7 @@ import dml_optim.functional
 import dml_optim.optimizers.base as base
 from dml_optim import Adagrad, Adam, DmlAdam, Momentum
 from test_bad_inputs import assert_same, make_params, new_grads, snapshot
+from introspect import buffers, runs_in_chunks
 
 ALL = (Adam, Adagrad, Momentum, DmlAdam)
 
@@ -35,19 +36,40 @@ class Injected(RuntimeError):
     pass
 
 
+_PATCHED: list = []
+
+
+@pytest.fixture(autouse=True)
+def _restore_rules():
+    yield
+    while _PATCHED:
+        stop_failing(_PATCHED[-1][0])
+
+
 def fail_after(opt, n: int, exc=Injected):
-    """Wrap ``opt._rule``: run the real rule, and raise right after its ``n``-th call."""
-    real = opt._rule
+    """Wrap the class's ``rule``: run the real rule, and raise right after its ``n``-th call."""
+    cls = type(opt)
+    real = cls.__dict__["rule"]
     calls = []
 
     def rule(*args, **kwargs):
-        real(*args, **kwargs)
+        real.__func__(*args, **kwargs)
         calls.append(1)
         if len(calls) == n:
             raise exc("injected failure")
 
-    opt._rule = rule
+    cls.rule = staticmethod(rule)
+    _PATCHED.append((cls, real))
     return calls
+
+
+def stop_failing(cls) -> None:
+    """Give ``cls`` its real rule back."""
+    for i, (patched, real) in enumerate(_PATCHED):
+        if patched is cls:
+            cls.rule = real
+            del _PATCHED[i]
+            return
 
 
 # -- worlds with several writes per step ----------------------------------------
@@ -79,7 +101,7 @@ def chunked_world(cls, monkeypatch, **kw):
     opt = cls(ps, lr=0.01, compute_dtype=torch.float32, state_dtype=torch.float32, **kw)
     opt.step()
     new_grads(ps)
-    assert opt._chunked(opt.param_groups[0], opt._flats[0][0])
+    assert runs_in_chunks(opt)
     return ps, opt
 
 
@@ -117,7 +139,7 @@ def test_injected_failure_is_rolled_back_with_atomic(cls, world, monkeypatch):
     assert len(calls) == 2  # the failure came after two rule applications had written
     assert_same(before, snapshot(ps, opt))
     # and the optimizer goes on exactly like a twin that never failed
-    del opt._rule
+    stop_failing(type(opt))
     opt.step()
     twin.step()
     a, b = snapshot(ps, opt), snapshot(twin_ps, twin)
@@ -189,7 +211,7 @@ def multi_world(cls, **kw):
     dt2 = torch.float16 if cls is DmlAdam else torch.float64
     ps = make_params(shapes=((2, 3), (4,))) + make_params(shapes=((3,),), dtype=dt2) + make_params(shapes=((5,), (6,)))
     opt = cls([{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05}], lr=0.01, **kw)
-    assert len(opt._flats[0]) == 2
+    assert len(buffers(opt, 0)) == 2
     opt.step()
     new_grads(ps)
     return ps, opt

@@ -6,15 +6,14 @@ Both backends must follow it within the float32 tolerance of
 ``tests/tolerances.py`` over 25 steps with a learning rate that changes every
 step.  Compilation is real (inductor on this machine's C++ compiler); the
 first compile on a fresh machine costs 10-40 s once (inductor's ISA probe), then
-a few seconds per rule.  float64 is not compiled here: it would double the
-compile time of this file for a dtype the eager tests already cover.
+a few seconds per kernel.  One float64 case checks that the compiled kernel
+computes its coefficients in float64 (the eager tests cover the rest of
+float64).
 """
 
 from __future__ import annotations
 
-import types
 import warnings
-import weakref
 
 import pytest
 import torch
@@ -196,9 +195,8 @@ def test_compiled_skip_on_overflow_matches_eager(no_fallback_warnings):
 @pytest.fixture
 def isolated_cache(monkeypatch):
     """A private compile cache, so an injected failure cannot leak into other tests."""
-    monkeypatch.setattr(compiled, "_CACHE", {})
+    monkeypatch.setattr(compiled, "_KERNELS", {})
     monkeypatch.setattr(compiled, "_BROKEN", {})
-    monkeypatch.setattr(compiled, "_RUNNERS", weakref.WeakKeyDictionary())
 
 
 def _steps(opt, params, n, seed=5):
@@ -274,16 +272,15 @@ def test_auto_keeps_small_models_eager():
     assert backends.resolved_backends(opt) == [["eager"]]
 
 
-def test_compiled_on_directml_warns_once_and_runs_eager(isolated_cache):
+def test_compiled_on_directml_warns_once_and_runs_eager(isolated_cache, monkeypatch):
+    """backend="compiled" on a device torch.compile does not serve: one warning, then eager."""
     params = _params()
     opt = dml_optim.Adam(params, lr=1e-3, backend="compiled")
-    fake_flat = types.SimpleNamespace(device=torch.device("privateuseone", 0), numel=1 << 20)
-    with pytest.warns(CompileFallbackWarning, match="privateuseone"):
-        runner = backends.rule_runner(opt, opt.param_groups[0], fake_flat)
-    assert runner == opt._rule
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CompileFallbackWarning)
-        assert backends.rule_runner(opt, opt.param_groups[0], fake_flat) == opt._rule
+    monkeypatch.setattr(compiled, "compile_available", lambda device_type: (False, "not on 'privateuseone' (test)"))
+    with pytest.warns(CompileFallbackWarning, match="privateuseone") as record:
+        _steps(opt, params, 3)
+    assert len([w for w in record if issubclass(w.category, CompileFallbackWarning)]) == 1
+    assert backends.resolved_backends(opt) == [["eager"]]
 
 
 def _aten_compute_events(step) -> list[str]:
@@ -336,3 +333,160 @@ def test_a_compiled_step_leaves_the_callers_denormal_mode_alone():
     opt.step()
     opt.step()
     assert not flushed()
+
+
+# -- the kernel is a pure function of tensors: instances, epsilons and lengths share graphs ----------
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_instances_epsilons_and_lengths_reuse_one_graph(no_fallback_warnings):
+    """12 optimizers x 3 epsilons x 2 buffer lengths: the kernel compiles a bounded number of
+    graphs (the optimizer is not an argument, epsilon is a tensor, lengths are dynamic)."""
+    def run(n, eps, seed):
+        p = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(seed)))
+        opt = dml_optim.Adam([p], lr=1e-3, epsilon=eps, backend="compiled")
+        for k in range(2):
+            p.grad = torch.full_like(p, 0.1 * (k + 1))
+            opt.step()
+        return opt
+
+    run(64, 1e-8, 0)  # warm-up: compiles (or loads) the graph of this structure
+    graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
+    opts = [run(n, eps, i) for i in range(12) for eps in (1e-8, 1e-6, 1e-4) for n in (64, 1000)]
+    assert all(backends.resolved_backends(o) == [["compiled"]] for o in opts)
+    assert counters["stats"]["unique_graphs"] - graphs <= 1, "graphs were compiled per instance, epsilon or length"
+    assert counters["frames"]["total"] - frames <= 1
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_compiled_float64_computes_its_coefficients_in_float64(no_fallback_warnings):
+    """float64 agreement to float64 tolerance: coefficients computed in float32 would be off by ~1e-8."""
+    gen = torch.Generator().manual_seed(7)
+    X = [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+    params = [torch.nn.Parameter(x.clone()) for x in X]
+    opt = dml_optim.Adam(params, lr=1e-2, beta=0.999, epsilon=1e-8, backend="compiled")
+    S = [[torch.zeros_like(x) for x in X] for _ in range(2)]
+    hp = dict(alpha=0.9, beta=0.999, epsilon=1e-8, norm_coefficient=0.0, norm_coefficient_post=0.0)
+    for k in range(8):
+        G = [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+        for p, g in zip(params, G):
+            p.grad = g.clone()
+        opt.step()
+        X, S = _adam_oracle(hp, 1e-2, k, X, G, S)
+        for p, x in zip(params, X):
+            assert_close(p.detach(), x)  # float64: rtol 1e-10
+    assert backends.resolved_backends(opt) == [["compiled"]]
+
+
+@pytest.mark.slow
+@needs_compiler
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_compiled_adamw_matches_torch(amsgrad, no_fallback_warnings):
+    gen = torch.Generator().manual_seed(8)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    ours_p, ref_p = [torch.nn.Parameter(t.clone()) for t in init], [torch.nn.Parameter(t.clone()) for t in init]
+    ours = dml_optim.AdamW(ours_p, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, backend="compiled")
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, foreach=False)
+    for _ in range(10):
+        G = [torch.randn(s, generator=gen) for s in SHAPES]
+        for p, q, g in zip(ours_p, ref_p, G):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ours_p, ref_p):
+        assert_close(p.detach(), q.detach())
+    assert backends.resolved_backends(ours) == [["compiled"]]
+
+
+@needs_compiler
+def test_reaching_the_recompile_limit_is_announced_and_runs_eager(monkeypatch, isolated_cache):
+    """Past dynamo's recompile limit dynamo would silently run Python: we say so and run eager."""
+    monkeypatch.setattr(compiled, "_recompile_limit", lambda: 1)
+    params, ref_params = _params(), _params()
+    opt = dml_optim.Momentum(params, lr=1e-2, backend="compiled")
+    ref = dml_optim.Momentum(ref_params, lr=1e-2, backend="eager")
+    with pytest.warns(CompileFallbackWarning, match="recompile limit") as record:
+        _steps(opt, params, 4)
+    assert len([w for w in record if issubclass(w.category, CompileFallbackWarning)]) == 1
+    assert backends.resolved_backends(opt) == [["eager"]]
+    _steps(ref, ref_params, 4)
+    for p, r in zip(params, ref_params):
+        assert_close(p.detach(), r.detach())
+
+
+# -- capturable -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("compiled", marks=[pytest.mark.slow, needs_compiler])])
+@pytest.mark.parametrize("name", ["adam-norm", "momentum-standard"])
+def test_capturable_path_matches_the_host_path(name, backend):
+    """capturable=True keeps counts and coefficients on the device (what a CUDA graph replays);
+    on the CPU the same code path runs, and must equal the host path."""
+    cls, hp, _ = CASES[name]
+    runs = []
+    for capturable in (False, True):
+        params = _params()
+        opt = cls(params, **hp, backend=backend, capturable=capturable)
+        _steps(opt, params, 6)
+        runs.append((params, opt))
+    (a, oa), (b, ob) = runs
+    for p, q in zip(a, b):
+        assert_close(q.detach(), p.detach())
+    assert [float(s["step"]) for s in ob.state_dict()["state"].values()] == [6.0] * len(SHAPES)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+
+
+@needs_cuda
+def test_capturing_a_step_that_is_not_capturable_raises():
+    p = torch.nn.Parameter(torch.randn(8, device="cuda"))
+    opt = dml_optim.Adam([p], lr=1e-2)
+    p.grad = torch.ones_like(p)
+    opt.step()  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="capturable=True"):
+        with torch.cuda.graph(graph):
+            opt.step()
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["adamw", "adam", "momentum"])
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+def test_a_captured_training_step_replays_like_eager(name, backend):
+    """A whole training step (forward, backward, step, zero_grad) captured once and replayed
+    25 times matches the same steps run eagerly, to float32 tolerance."""
+    from dml_optim.optimizers.registry import build
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).cuda() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [build(name, m.parameters(), lr=1e-2, capturable=True, backend=backend) for m in models]
+    x = torch.randn(64, 16, device="cuda")
+    y = torch.randn(64, 4, device="cuda")
+
+    def train_step(model, opt):
+        opt.zero_grad(set_to_none=False)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up (and compilation) outside the graph, on both
+            for m, o in zip(models, opts):
+                train_step(m, o)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step(models[0], opts[0])
+    for _ in range(25):
+        graph.replay()
+        train_step(models[1], opts[1])
+    torch.cuda.synchronize()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert_close(p.detach(), q.detach())
+    steps = {float(s["step"]) for s in opts[0].state_dict()["state"].values()}
+    assert steps == {float(3 + 1 + 25)}  # warm-up + the capture run + replays, counted on the device

@@ -22,6 +22,7 @@ import torch
 
 from dml_optim import Adagrad, Adam, DmlAdam, Momentum
 from test_bad_inputs import assert_same
+from introspect import buffers, runs_in_chunks
 
 ALL = (Adam, Adagrad, Momentum, DmlAdam)
 PLAIN = (str, int, float, bool, type(None))
@@ -210,8 +211,8 @@ def test_checkpoint_loads_across_dtypes_with_documented_casting(src, dst):
             assert got.dtype == own_state_dtype  # the optimizer keeps its own dtype
             assert torch.equal(got, entry[name].to(own_state_dtype))  # values cast (round to nearest)
         assert float(out["state"][pid]["step"]) == float(entry["step"])
-    for flat in opt2._flats[0] + opt2._flats[1]:
-        assert all(s.dtype == own_state_dtype for s in flat.states.values())
+    for info in buffers(opt2):
+        assert all(s.dtype == own_state_dtype for s in info.states.values())
     # the precision options stay the optimizer's own, whatever the checkpoint said
     for g in opt2.param_groups:
         assert g["master_weights"] == dst.get("master_weights", False)
@@ -322,6 +323,7 @@ def test_state_names_match_torch_optim():
 def test_step_counts_above_2_to_the_24_survive_a_checkpoint():
     ps, opt = make(Adam, init_values(torch.float32), groups=False)
     run_steps(ps, opt, range(1), torch.float32)
-    opt._flats[0][0].steps[:] = [2**24 + 1] * 3
+    for p in opt.param_groups[0]["params"]:
+        opt.state[p]["step"] = 2**24 + 1
     sd = save_load(opt.state_dict())
     assert int(sd["state"][0]["step"]) == 2**24 + 1

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dml_optim.optimizers.base as base
 from dml_optim import Adagrad, Adam, DmlAdam, Momentum
 from test_bad_inputs import assert_same, snapshot
+from introspect import buffers, runs_in_chunks
 
 ALL = (Adam, Adagrad, Momentum, DmlAdam)
 INF, NAN = float("inf"), float("nan")
@@ -237,7 +238,7 @@ def test_skip_in_chunked_precision_mode(cls, monkeypatch):
         assert counter.syncs == 0
         if i == 1:
             assert_same(before, _world_state(ps, opt))
-    assert opt._chunked(opt.param_groups[0], opt._flats[0][0])
+    assert runs_in_chunks(opt)
     ref_ps, ref = build(cls, torch.float16, **kw)
     for grads in (stream[0], stream[2], stream[3]):
         feed(ref_ps, ref, grads)

@@ -20,6 +20,7 @@ import dml_optim
 from dml_optim.cli import main
 from dml_optim.optimizers.dml_adam import UINT32_MAX
 from tolerances import assert_close
+from introspect import buffers, runs_in_chunks
 
 F64 = torch.float64
 
@@ -53,7 +54,7 @@ def _loss(model, step, dtype=F64):
 
 
 def _flat_range(opt, buffer="data"):
-    flat = opt._flats[0][0]
+    flat = buffers(opt)[0]
     t = getattr(flat, buffer)
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
@@ -158,7 +159,6 @@ def test_zero_grad_then_backward_then_step_matches_torch(set_to_none):
     ours_m, ref_m = _model(), _model()
     ours = dml_optim.Adam(ours_m.parameters(), lr=0.01, epsilon=0.0)
     ref = torch.optim.Adam(ref_m.parameters(), lr=0.01, eps=0.0, foreach=False)
-    lo, hi = _flat_range(ours, "grad")
     for step in range(6):
         ours.zero_grad(set_to_none=set_to_none)
         ref.zero_grad(set_to_none=True)
@@ -169,7 +169,8 @@ def test_zero_grad_then_backward_then_step_matches_torch(set_to_none):
         ours.step()
         ref.step()
         _assert_params_equal(ours_m, ref_m)
-        # after the step every gradient is (again) a view of the flat buffer
+        # after the step every gradient is (again) a view of the flat buffer (allocated at the first step)
+        lo, hi = _flat_range(ours, "grad")
         assert all(lo <= p.grad.data_ptr() < hi for p in ours_m.parameters())
 
 
@@ -180,13 +181,13 @@ def test_user_replaced_grad_is_gathered():
     ref_p, ref_q = (torch.nn.Parameter(t.detach().clone()) for t in (p, q))
     ours = dml_optim.Adagrad([p, q], lr=0.1)
     ref = torch.optim.Adagrad([ref_p, ref_q], lr=0.1, eps=1e-10, foreach=False)
-    lo, hi = _flat_range(ours, "grad")
     for step in range(4):
         gp, gq = torch.randn(3, 4, generator=g, dtype=F64), torch.randn(6, generator=g, dtype=F64)
         p.grad, q.grad = gp.clone(), gq.clone()  # foreign tensors, not views of the flat buffer
         ref_p.grad, ref_q.grad = gp.clone(), gq.clone()
         ours.step()
         ref.step()
+        lo, hi = _flat_range(ours, "grad")
         assert lo <= p.grad.data_ptr() < hi and lo <= q.grad.data_ptr() < hi
         assert torch.equal(p.grad, gp) and torch.equal(q.grad, gq)
         assert_close(p.detach(), ref_p.detach())
@@ -272,8 +273,8 @@ def test_add_param_group_after_construction():
     ours.add_param_group({"params": late, "lr": 0.02, "beta": 0.99})
     ref.add_param_group({"params": list(ref_layers[2].parameters()) + list(ref_layers[4].parameters()),
                          "lr": 0.02, "betas": (0.9, 0.99)})
-    assert len(ours._flats) == 2
-    flat = ours._flats[1][0]
+    assert len({i.group for i in ours.flat_buffers()}) == 2
+    flat = buffers(ours, 1)[0]
     lo, hi = flat.data.data_ptr(), flat.data.data_ptr() + flat.data.numel() * flat.data.element_size()
     assert all(lo <= p.data_ptr() < hi for p in late)  # the new params were packed
     for step in range(3, 8):
@@ -395,10 +396,10 @@ def test_dml_adam_raises_before_the_step_counter_leaves_uint32():
     opt = dml_optim.DmlAdam([p, q], lr=0.01)
     p.grad, q.grad = torch.randn(4), torch.randn(3)
     opt.step()
-    flat = opt._flats[0][0]
-    flat.steps = [UINT32_MAX - 1] * len(flat)
+    for param in (p, q):
+        opt.state[param]["step"] = UINT32_MAX - 1
     opt.step()  # T = 2**32 - 1: the last value a UINT32 holds
-    assert flat.steps == [UINT32_MAX] * len(flat)
+    assert buffers(opt)[0].step_counts == (UINT32_MAX,) * 2
     before = copy.deepcopy(opt.state_dict()["state"])
     params_before = [p.detach().clone(), q.detach().clone()]
     with pytest.raises(OverflowError, match="UINT32"):
@@ -408,4 +409,4 @@ def test_dml_adam_raises_before_the_step_counter_leaves_uint32():
         for key in before[k]:
             assert torch.equal(before[k][key], after[k][key])
     assert torch.equal(p.detach(), params_before[0]) and torch.equal(q.detach(), params_before[1])
-    assert flat.steps == [UINT32_MAX] * len(flat)
+    assert buffers(opt)[0].step_counts == (UINT32_MAX,) * 2

@@ -23,6 +23,7 @@ import dml_optim
 import dml_optim.optimizers.base as base
 from dml_optim import precision as P
 from tolerances import TOL
+from introspect import buffers, runs_in_chunks
 
 F16_TINY = 2.0**-24
 
@@ -176,7 +177,7 @@ def _fp16_run(name: str, numel: int, steps: int, **options):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).mul_(0.01).half()
         opt.step()
-    flat = opt._flats[0][0]
+    flat = buffers(opt)[0]
     return flat, [flat.data.clone()] + [s.clone() for s in flat.states.values()]
 
 
@@ -208,8 +209,8 @@ def test_master_weights_equal_fp32_run_rounded_to_fp16():
             p.grad, q.grad = g.clone(), g.float()
         opt_m.step()
         opt_f.step()
-    flat = opt_m._flats[0][0]
-    assert torch.equal(flat.master, opt_f._flats[0][0].data)  # the FP32 master copy is the FP32 run
+    flat = buffers(opt_m)[0]
+    assert torch.equal(flat.master, buffers(opt_f)[0].data)  # the FP32 master copy is the FP32 run
     for p, q in zip(master, fp32):
         assert p.dtype == torch.float16
         assert torch.equal(p.detach(), q.detach().half())  # FP16 params = FP32 run rounded to FP16

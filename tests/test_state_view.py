@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dml_optim
+from introspect import buffers, runs_in_chunks
 
 
 def _model_and_opts():
@@ -43,8 +44,9 @@ def test_state_tensors_are_views_of_the_flat_buffers():
     _step(model, opt, torch.randn(2, 4, dtype=torch.float64))
     w = model[0].weight
     opt.state[w]["exp_avg"].fill_(7.0)  # in place on the view
-    flat = opt._flats[0][0]
-    assert torch.equal(flat.views(flat.states["exp_avg"])[0], torch.full_like(w, 7.0))
+    flat = buffers(opt)[0]
+    assert flat.param_indices[0] == 0  # w is the group's first parameter and the buffer's
+    assert torch.equal(flat.states["exp_avg"][: w.numel()].view_as(w), torch.full_like(w, 7.0))
 
 
 def test_assigning_state_loads_into_the_buffers_and_drives_the_next_step():
@@ -115,7 +117,7 @@ def test_parameters_rebound_into_a_foreign_buffer_in_our_layout_are_adopted():
         p.grad = torch.ones(4)
     opt.step()
     assert torch.equal(bucket, expected)  # the foreign buffer itself was updated
-    assert opt._flats[0][0].data.data_ptr() == bucket.data_ptr()
+    assert buffers(opt)[0].data.data_ptr() == bucket.data_ptr()
 
 
 def test_unmarked_state_dict_with_our_names_keeps_our_hyperparameters():

@@ -1,9 +1,10 @@
-"""The optimizers: one module per class."""
+"""The optimizers: one module per class; :mod:`~dml_optim.optimizers.registry` lists them."""
 
 from dml_optim.optimizers.adagrad import Adagrad
 from dml_optim.optimizers.adam import Adam
-from dml_optim.optimizers.base import FlatOptimizer
+from dml_optim.optimizers.adamw import AdamW
+from dml_optim.optimizers.base import BufferInfo, FlatOptimizer
 from dml_optim.optimizers.dml_adam import DmlAdam
 from dml_optim.optimizers.momentum import Momentum
 
-__all__ = ["Adam", "Adagrad", "Momentum", "DmlAdam", "FlatOptimizer"]
+__all__ = ["Adam", "AdamW", "Adagrad", "Momentum", "DmlAdam", "FlatOptimizer", "BufferInfo"]

@@ -1,13 +1,16 @@
 """``optimizer.state`` as a live view of the flat buffers.
 
 torch.optim keeps ``optimizer.state[p]`` as a dict of tensors, and users and
-tools (``ZeroRedundancyOptimizer.load_state_dict``, inspection code) read and
-assign it.  Here the states live in flat buffers, so ``optimizer.state`` is a
-mapping whose entries are made on demand:
+tools (``ZeroRedundancyOptimizer.load_state_dict``, inspection code,
+``torch.distributed.checkpoint``) read and assign it.  Here the states live in
+flat buffers, so ``optimizer.state`` is a mapping whose entries are made on
+demand:
 
 * ``opt.state[p]["exp_avg"]`` is a view of the flat state buffer (in-place
   edits change the optimizer); ``opt.state[p]["step"]`` is a float tensor of
-  that parameter's completed steps, as in torch.optim;
+  that parameter's completed steps, as in torch.optim; a parameter without
+  state (not stepped yet, or frozen) gives an empty dict, as torch.optim's
+  ``defaultdict`` does;
 * assigning ``opt.state[p] = {...}`` or ``opt.state[p]["exp_avg"] = t``
   copies into the buffers (cast to the state dtype), and ``"step"`` sets the
   parameter's step count;
@@ -23,39 +26,52 @@ from typing import Any, Iterator
 
 import torch
 
+from dml_optim.flat import local_tensor
+from dml_optim.optimizers.state_dict import EXTRA_STATES, param_state
+
 __all__ = ["StateView", "ParamStateView"]
 
 
 class ParamStateView(dict):
     """The state of one parameter: a snapshot dict whose assignments write through."""
 
-    def __init__(self, opt, group, flat, index: int):
-        super().__init__(opt._param_state(group, flat, index))
-        self._where = (opt, group, flat, index)
+    def __init__(self, opt, gi: int, flat, index: int):
+        counts = flat.counter.counts() if flat is not None else []
+        super().__init__(param_state(opt, flat, index, counts[index]) if flat is not None else {})
+        self._where = (opt, gi, flat, index)
 
     def __setitem__(self, key: str, value) -> None:
-        opt, group, flat, i = self._where
+        opt, gi, flat, i = self._where
+        if flat is None:
+            raise KeyError(f"{type(opt).__name__}: this parameter is frozen (requires_grad=False) and holds no state; "
+                           "unfreeze it first (or load a state dict that has its state)")
+        group = opt.param_groups[gi]
+        names = type(opt).group_state_names(group)
+        extras = {"master_param": flat.master, "kahan_comp": flat.kahan}
         if key == "step":
             if isinstance(value, torch.Tensor) and value.numel() != 1:
                 raise ValueError(f"state['step'] must be a scalar, got a tensor of shape {tuple(value.shape)}")
             count = value.item() if isinstance(value, torch.Tensor) else value
             if (isinstance(count, bool) or not isinstance(count, numbers.Real) or not math.isfinite(count)
-                    or not float(count).is_integer() or count < 0):
-                raise ValueError(f"state['step'] must be a non-negative whole number, got {value!r}")
+                    or not float(count).is_integer() or count < 0 or count > type(opt).max_step):
+                raise ValueError(f"state['step'] must be a whole number in [0, {type(opt).max_step}], got {value!r}")
             opt._ensure_state(group, flat)
-            flat.steps[i] = int(count)
-            if flat.device_steps is not None:
-                flat.device_steps[i].fill_(int(count))
-                flat.step_history[i] = int(count)
-        elif key in opt.state_names or (key == "master_param" and flat.master is not None):
-            if not isinstance(value, torch.Tensor) or value.shape != flat.params[i].shape:
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"state[{key!r}] must be a tensor of shape {tuple(flat.params[i].shape)}, got {shape}")
+            counts = flat.counter.counts()
+            counts[i] = int(count)
+            flat.counter.set_counts(counts)
+        elif key in names or (key in EXTRA_STATES and extras[key] is not None):
+            shape = local_tensor(flat.params[i]).shape
+            value_local = local_tensor(value) if isinstance(value, torch.Tensor) else value
+            if not isinstance(value_local, torch.Tensor) or value_local.shape != shape:
+                got = tuple(value_local.shape) if isinstance(value_local, torch.Tensor) else type(value).__name__
+                raise ValueError(f"state[{key!r}] must be a tensor of shape {tuple(shape)}, got {got}")
             opt._ensure_state(group, flat)
-            buffer = flat.master if key == "master_param" else flat.states[key]
-            flat.views(buffer)[i].copy_(value)
+            buffer = extras[key] if key in EXTRA_STATES else flat.states[key]
+            a, b = flat.segment(i, i + 1)
+            with torch.no_grad():
+                buffer[a:b].copy_(value_local.reshape(-1))
         else:
-            raise KeyError(f"{type(opt).__name__} has no state {key!r} (it keeps {', '.join(('step',) + opt.state_names)})")
+            raise KeyError(f"{type(opt).__name__} has no state {key!r} (it keeps {', '.join(('step',) + names)})")
         super().__setitem__(key, value)
 
     def update(self, other=(), **kwargs) -> None:
@@ -74,16 +90,8 @@ class StateView(MutableMapping):
     def __init__(self, opt):
         self._opt = opt
 
-    def _locate(self, p):
-        for group, flats in zip(self._opt.param_groups, self._opt._flats):
-            for flat in flats:
-                for i, q in enumerate(flat.params):
-                    if q is p:
-                        return group, flat, i
-        raise KeyError(f"not a parameter of this optimizer: tensor of shape {tuple(getattr(p, 'shape', ()))}")
-
     def __getitem__(self, p) -> ParamStateView:
-        return ParamStateView(self._opt, *self._locate(p))
+        return ParamStateView(self._opt, *self._opt._locate(p))
 
     def __setitem__(self, p, value: Mapping[str, Any]) -> None:
         if not isinstance(value, Mapping):
@@ -96,12 +104,11 @@ class StateView(MutableMapping):
         raise TypeError("optimizer.state entries cannot be deleted: the states live in flat buffers")
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for flats in self._opt._flats:
-            for flat in flats:
+        for gi in range(len(self._opt.param_groups)):
+            for flat in self._opt._buffers_of(gi):
                 if not flat.states:
                     continue
-                steps = self._opt._step_counts(flat)
-                yield from (p for p, n in zip(flat.params, steps) if n)
+                yield from (p for p, n in zip(flat.params, flat.counter.counts()) if n)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from dml_optim import functional as F
+import dml_optim.functional as F
 from dml_optim.optimizers.base import FlatOptimizer
+from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, same_alias
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from dml_optim.options import OptimizerOptions
 
 __all__ = ["Adagrad"]
 
@@ -22,60 +28,59 @@ class Adagrad(FlatOptimizer):
 
     Spec: ONNX ``ai.onnx.preview.training`` ``Adagrad`` version 1.
 
-    Mapping: identical to ``torch.optim.Adagrad(lr, lr_decay=decay_factor,
-    eps=epsilon, weight_decay=norm_coefficient)`` (state ``sum`` = ONNX ``H``).
+    torch.optim names (accepted, and kept in param groups): ``lr_decay`` =
+    ``decay_factor``, ``eps`` = ``epsilon``, ``weight_decay`` =
+    ``norm_coefficient``; with them this is ``torch.optim.Adagrad`` exactly
+    (state ``sum`` = ONNX ``H``).
 
-    .. note:: The default ``epsilon`` is ``1e-10`` (torch's), not ONNX's 0:
-       with epsilon 0 a parameter whose gradient has always been zero gets
-       ``0 / 0`` = NaN.  Pass ``epsilon=0.0`` for the literal ONNX default.
+    .. note:: The default ``epsilon`` is ``1e-10`` (torch's).  The ONNX
+       operator page says 0 and the ONNX schema (``onnx/defs/training/defs.cc``)
+       says ``1e-6``; with epsilon 0 a parameter whose gradient has always been
+       zero gets ``0 / 0`` = NaN.  Pass ``epsilon=0.0`` for the page's literal default.
     """
 
+    spec = OptimizerSpec(
+        name="adagrad",
+        title="ONNX Adagrad",
+        reference="ONNX ai.onnx.preview.training Adagrad-1",
+        hyperparameters=(
+            Hyperparameter("lr", 1e-2, "learning rate R", low=0.0),
+            Hyperparameter("decay_factor", 0.0, "learning-rate decay: r = R / (1 + T * decay_factor)", low=0.0),
+            Hyperparameter("epsilon", 1e-10, "added to sqrt(H)", low=0.0),
+            Hyperparameter("norm_coefficient", 0.0, "L2 coefficient added to the gradient", low=0.0),
+        ),
+        torch=TorchEquivalent(
+            "Adagrad",
+            aliases=(same_alias("lr_decay", "decay_factor"), same_alias("eps", "epsilon"),
+                     same_alias("weight_decay", "norm_coefficient")),
+        ),
+        default_lr=1e-2,
+        train_lr=3e-2,
+    )
     state_names = ("sum",)
     step_offset = 0
-    #: Hyperparameter ranges, checked (and stored as floats) by the base class.
-    hyperparameter_ranges = {
-        "lr": dict(low=0.0),
-        "decay_factor": dict(low=0.0),
-        "epsilon": dict(low=0.0),
-        "norm_coefficient": dict(low=0.0),
-    }
     skip_identity = {"epsilon": 1.0, "rate": 0.0, "norm_coefficient": 0.0}
+    zero_skips = ("decay_factor", "norm_coefficient")
+    scratch_slots = 2
 
-    def __init__(
-        self,
-        params,
-        lr: float = 1e-2,
-        *,
-        decay_factor: float = 0.0,
-        epsilon: float = 1e-10,
-        norm_coefficient: float = 0.0,
-        backend: str = "auto",
-        state_dtype=None,
-        compute_dtype=None,
-        master_weights: bool = False,
-        nonfinite: str = "propagate",
-        atomic: bool = False,
-    ):
-        defaults = dict(lr=lr, decay_factor=decay_factor, epsilon=epsilon, norm_coefficient=norm_coefficient)
-        super().__init__(
-            params, defaults, backend=backend, state_dtype=state_dtype,
-            compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
-            atomic=atomic,
-        )
+    def __init__(self, params, lr: float = 1e-2, *, decay_factor: float = 0.0, epsilon: float = 1e-10,
+                 norm_coefficient: float = 0.0, lr_decay: float | None = None, eps: float | None = None,
+                 weight_decay: float | None = None, **options: "Unpack[OptimizerOptions]"):
+        super().__init__(params, dict(lr=lr, decay_factor=decay_factor, epsilon=epsilon, norm_coefficient=norm_coefficient),
+                         dict(lr_decay=lr_decay, eps=eps, weight_decay=weight_decay), options)
 
-    def _scratch_count(self, group, gated: bool) -> int:
-        return 2 if group["norm_coefficient"] else 1
+    @classmethod
+    def scratch_count(cls, hyper, gated: bool) -> int:
+        return 2 if hyper["norm_coefficient"] else 1
 
-    def _constants(self, group):
-        return {"epsilon": group["epsilon"], "norm_coefficient": group["norm_coefficient"]}
+    @classmethod
+    def constants(cls, hyper):
+        return {"epsilon": hyper["epsilon"], "norm_coefficient": hyper["norm_coefficient"]}
 
-    def _coefficients(self, group, T):
-        return F.adagrad_coefficients(group["lr"], T, decay_factor=group["decay_factor"])
-
-    def _rule(self, x, g, states, scalars, scratch):
-        F.adagrad_(x, g, *states, scratch=scratch[0], scratch2=scratch[1] if len(scratch) > 1 else None, **scalars)
+    @classmethod
+    def coefficients(cls, hyper, T):
+        return F.adagrad_coefficients(hyper["lr"], T, decay_factor=hyper["decay_factor"])
 
     @staticmethod
-    def _from_torch_group(saved: dict[str, Any]) -> dict[str, Any]:
-        names = {"lr_decay": "decay_factor", "eps": "epsilon", "weight_decay": "norm_coefficient"}
-        return {ours: float(saved[theirs]) for theirs, ours in names.items() if theirs in saved}
+    def rule(x, g, h, *, scratch, **scalars):
+        F.adagrad_(x, g, h, scratch=scratch[0], scratch2=scratch[1], **scalars)

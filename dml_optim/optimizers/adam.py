@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from dml_optim import functional as F
+import dml_optim.functional as F
 from dml_optim.optimizers.base import FlatOptimizer
+from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, betas_alias, same_alias
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from dml_optim.options import OptimizerOptions
 
 __all__ = ["Adam"]
+
+_EPS_DIFFERS = (
+    "torch's eps is added after the bias correction, ONNX Adam's epsilon before it (the two agree only at 0); "
+    "pass epsilon= for the ONNX rule, or use dml_optim.AdamW for torch's semantics"
+)
 
 
 class Adam(FlatOptimizer):
@@ -23,16 +34,20 @@ class Adam(FlatOptimizer):
     Spec: ONNX ``ai.onnx.preview.training`` ``Adam`` version 1 (``R`` = ``lr``;
     ``T`` starts at 1 because ONNX disables bias correction at ``T = 0``).
 
-    Mapping to ``torch.optim.Adam(lr, betas=(alpha, beta), eps, weight_decay=norm_coefficient)``:
-    identical when ``epsilon == 0``.
+    torch.optim names: ``betas`` = ``(alpha, beta)`` and ``weight_decay`` =
+    ``norm_coefficient`` are accepted by the constructor and kept in every
+    param group beside ours.  ``torch.optim.Adam(lr, betas, eps=0,
+    weight_decay)`` computes the same update.
 
     .. warning:: Epsilon is added to the *uncorrected* ``sqrt(H)``; torch.optim
-       adds it to ``sqrt(H / (1 - beta**T))``. With ``epsilon > 0`` the two differ,
-       most in the first steps.  ``norm_coefficient_post`` is a decoupled decay
-       applied after the update (``AdamW`` decays before, by ``lr * weight_decay``).
+       adds it to ``sqrt(H / (1 - beta**T))``.  With ``epsilon > 0`` the two
+       differ, most in the first steps, so ``eps=`` is refused (use
+       :class:`~dml_optim.AdamW` for torch's placement).
+       ``norm_coefficient_post`` is a decoupled decay applied after the update
+       (``AdamW`` decays before, by ``lr * weight_decay``).
 
-    State names follow torch.optim (``exp_avg`` = ONNX ``V``, ``exp_avg_sq`` = ONNX ``H``),
-    so a ``torch.optim.Adam`` state dict loads into this class (see ``load_state_dict``).
+    State names follow torch.optim (``exp_avg`` = ONNX ``V``, ``exp_avg_sq`` =
+    ONNX ``H``), so a ``torch.optim.Adam`` state dict loads into this class.
 
     Args:
         params: parameters or param-group dicts.
@@ -42,70 +57,64 @@ class Adam(FlatOptimizer):
         epsilon: added to ``sqrt(H)`` (>= 0).
         norm_coefficient: L2 coefficient added to the gradient (>= 0).
         norm_coefficient_post: decay of the updated parameters, in [0, 1].
-        backend: ``"auto"``, ``"eager"`` or ``"compiled"``.
-        state_dtype, compute_dtype, master_weights: precision options, see README.
-        nonfinite: ``"propagate"``, ``"skip"`` or ``"raise"``.
-        atomic: roll a step back if it fails mid-update (one extra copy per step).
+        betas: torch's name for ``(alpha, beta)``.
+        weight_decay: torch's name for ``norm_coefficient``.
+        **options: ``backend``, ``state_dtype``, ``compute_dtype``,
+            ``master_weights``, ``kahan``, ``nonfinite``, ``capturable``,
+            ``atomic``, ``checks``, ``pack_via`` (see README, "Options").
     """
 
+    spec = OptimizerSpec(
+        name="adam",
+        title="ONNX Adam",
+        reference="ONNX ai.onnx.preview.training Adam-1",
+        hyperparameters=(
+            Hyperparameter("lr", 1e-3, "learning rate R", low=0.0),
+            Hyperparameter("alpha", 0.9, "first-moment decay", low=0.0, high=1.0, high_open=True),
+            Hyperparameter("beta", 0.999, "second-moment decay", low=0.0, high=1.0, high_open=True),
+            Hyperparameter("epsilon", 1e-6, "added to sqrt(H) before the bias correction", low=0.0),
+            Hyperparameter("norm_coefficient", 0.0, "L2 coefficient added to the gradient", low=0.0),
+            Hyperparameter("norm_coefficient_post", 0.0, "decay of the updated parameters", low=0.0, high=1.0),
+        ),
+        torch=TorchEquivalent(
+            "Adam",
+            aliases=(betas_alias("alpha", "beta"), same_alias("weight_decay", "norm_coefficient")),
+            requires=(("norm_coefficient_post", lambda h: h["norm_coefficient_post"] == 0,
+                       "torch.optim.Adam has no post-update decay"),),
+            exact_when=(("epsilon", lambda h: h["epsilon"] == 0, "epsilon is placed differently; equal only at 0"),),
+            nearest={"epsilon": "eps"},
+            refused={"eps": _EPS_DIFFERS},
+        ),
+        default_lr=1e-3,
+        train_lr=3e-3,
+    )
     state_names = ("exp_avg", "exp_avg_sq")
     step_offset = 1
-    #: Hyperparameter ranges, checked (and stored as floats) by the base class.
-    hyperparameter_ranges = {
-        "lr": dict(low=0.0),
-        "alpha": dict(low=0.0, high=1.0, high_open=True),
-        "beta": dict(low=0.0, high=1.0, high_open=True),
-        "epsilon": dict(low=0.0),
-        "norm_coefficient": dict(low=0.0),
-        "norm_coefficient_post": dict(low=0.0, high=1.0),
-    }
-    skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0, "norm_coefficient": 0.0, "norm_coefficient_post": 0.0}
+    skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0, "norm_coefficient": 0.0,
+                     "norm_coefficient_post": 0.0}
+    zero_skips = ("norm_coefficient", "norm_coefficient_post")
+    scratch_slots = 2
 
-    def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        *,
-        alpha: float = 0.9,
-        beta: float = 0.999,
-        epsilon: float = 1e-6,
-        norm_coefficient: float = 0.0,
-        norm_coefficient_post: float = 0.0,
-        backend: str = "auto",
-        state_dtype=None,
-        compute_dtype=None,
-        master_weights: bool = False,
-        nonfinite: str = "propagate",
-        atomic: bool = False,
-    ):
-        defaults = dict(
-            lr=lr, alpha=alpha, beta=beta, epsilon=epsilon,
-            norm_coefficient=norm_coefficient, norm_coefficient_post=norm_coefficient_post,
-        )
-        super().__init__(
-            params, defaults, backend=backend, state_dtype=state_dtype,
-            compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
-            atomic=atomic,
-        )
+    def __init__(self, params, lr: float = 1e-3, *, alpha: float = 0.9, beta: float = 0.999, epsilon: float = 1e-6,
+                 norm_coefficient: float = 0.0, norm_coefficient_post: float = 0.0,
+                 betas: tuple[float, float] | None = None, weight_decay: float | None = None,
+                 **options: "Unpack[OptimizerOptions]"):
+        super().__init__(params, dict(lr=lr, alpha=alpha, beta=beta, epsilon=epsilon, norm_coefficient=norm_coefficient,
+                                      norm_coefficient_post=norm_coefficient_post),
+                         dict(betas=betas, weight_decay=weight_decay), options)
 
-    def _scratch_count(self, group, gated: bool) -> int:
-        return 2 if group["norm_coefficient"] and gated else 1
+    @classmethod
+    def scratch_count(cls, hyper, gated: bool) -> int:
+        return 2 if hyper["norm_coefficient"] and gated else 1
 
-    def _constants(self, group):
-        return {k: group[k] for k in ("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post")}
+    @classmethod
+    def constants(cls, hyper):
+        return {k: hyper[k] for k in ("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post")}
 
-    def _coefficients(self, group, T):
-        return F.adam_coefficients(group["lr"], T, alpha=group["alpha"], beta=group["beta"])
-
-    def _rule(self, x, g, states, scalars, scratch):
-        F.adam_(x, g, *states, scratch=scratch[0], scratch2=scratch[1] if len(scratch) > 1 else None, **scalars)
+    @classmethod
+    def coefficients(cls, hyper, T):
+        return F.adam_coefficients(hyper["lr"], T, alpha=hyper["alpha"], beta=hyper["beta"])
 
     @staticmethod
-    def _from_torch_group(saved: dict[str, Any]) -> dict[str, Any]:
-        """Hyperparameters of a ``torch.optim.Adam`` param group, in our names."""
-        out = {}
-        if "betas" in saved:
-            out["alpha"], out["beta"] = (float(b) for b in saved["betas"])
-        if "weight_decay" in saved:
-            out["norm_coefficient"] = float(saved["weight_decay"])
-        return out
+    def rule(x, g, v, h, *, scratch, **scalars):
+        F.adam_(x, g, v, h, scratch=scratch[0], scratch2=scratch[1], **scalars)

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dml_optim import functional as F
+import dml_optim.functional as F
+from dml_optim.optimizers.adam import _EPS_DIFFERS
 from dml_optim.optimizers.base import FlatOptimizer
+from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, betas_alias
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from dml_optim.options import OptimizerOptions
 
 __all__ = ["DmlAdam", "UINT32_MAX"]
 
@@ -35,89 +42,71 @@ class DmlAdam(FlatOptimizer):
     :meth:`dml_descriptors` returns the ADAM_OPTIMIZER descriptor of each flat
     buffer, in place, validated by :func:`dml_optim.dml.validate`.
 
-    Mapping: ``torch.optim.Adam(lr, betas=(beta1, beta2), eps=epsilon)`` is
-    identical when ``epsilon == 0``.  State names follow torch.optim
+    torch.optim names: ``betas`` = ``(beta1, beta2)``.  ``torch.optim.Adam(lr,
+    betas, eps=0)`` computes the same update.  State names follow torch.optim
     (``exp_avg`` = DirectML ``M``, ``exp_avg_sq`` = DirectML ``V``).
 
     .. warning:: Epsilon is added to the *uncorrected* ``sqrt(V)``; torch.optim
-       adds it to the bias-corrected one.  In float16 the default ``1e-8`` rounds
-       to 0 (smallest subnormal 2**-24): use ``epsilon >= 6e-8`` (``1e-4`` is
-       a common choice) with float16 state.
+       adds it to the bias-corrected one, so ``eps=`` is refused.  In float16 the
+       default ``1e-8`` rounds to 0 (smallest subnormal 2**-24): use
+       ``epsilon >= 6e-8`` (``1e-4`` is a common choice) with float16 state.
     """
 
+    spec = OptimizerSpec(
+        name="dml-adam",
+        title="DirectML ADAM_OPTIMIZER",
+        reference="DML_ADAM_OPTIMIZER_OPERATOR_DESC (DirectML 1.4, feature level 3_0)",
+        hyperparameters=(
+            Hyperparameter("lr", 1e-3, "LearningRate", low=0.0),
+            Hyperparameter("beta1", 0.9, "Beta1: first-moment decay", low=0.0, high=1.0, high_open=True),
+            Hyperparameter("beta2", 0.999, "Beta2: second-moment decay", low=0.0, high=1.0, high_open=True),
+            Hyperparameter("epsilon", 1e-8, "Epsilon: added to sqrt(V) before the bias correction", low=0.0),
+        ),
+        torch=TorchEquivalent(
+            "Adam",
+            aliases=(betas_alias("beta1", "beta2"),),
+            nearest={"epsilon": "eps"},
+            exact_when=(("epsilon", lambda h: h["epsilon"] == 0, "epsilon is placed differently; equal only at 0"),),
+            refused={"eps": _EPS_DIFFERS},
+        ),
+        default_lr=1e-3,
+        train_lr=3e-3,
+    )
     state_names = ("exp_avg", "exp_avg_sq")
     step_offset = 1
-    #: Hyperparameter ranges, checked (and stored as floats) by the base class.
-    hyperparameter_ranges = {
-        "lr": dict(low=0.0),
-        "beta1": dict(low=0.0, high=1.0, high_open=True),
-        "beta2": dict(low=0.0, high=1.0, high_open=True),
-        "epsilon": dict(low=0.0),
-    }
+    #: T = completed steps + 1 is DirectML's UINT32 TrainingStepTensor.
+    max_step = UINT32_MAX
+    max_step_reason = "T is DirectML's UINT32 TrainingStepTensor"
+    dtypes = (torch.float32, torch.float16)
     skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0}
+    scratch_slots = 2
 
-    def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        *,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        epsilon: float = 1e-8,
-        backend: str = "auto",
-        state_dtype=None,
-        compute_dtype=None,
-        master_weights: bool = False,
-        nonfinite: str = "propagate",
-        atomic: bool = False,
-    ):
-        defaults = dict(lr=lr, beta1=beta1, beta2=beta2, epsilon=epsilon)
-        super().__init__(
-            params, defaults, backend=backend, state_dtype=state_dtype,
-            compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
-            atomic=atomic,
-        )
+    def __init__(self, params, lr: float = 1e-3, *, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8,
+                 betas: tuple[float, float] | None = None, **options: "Unpack[OptimizerOptions]"):
+        super().__init__(params, dict(lr=lr, beta1=beta1, beta2=beta2, epsilon=epsilon), dict(betas=betas), options)
 
-    def _check_param(self, p, index: int, group_index: int) -> None:
-        super()._check_param(p, index, group_index)
-        if p.dtype not in (torch.float32, torch.float16):
-            raise TypeError(
-                f"params: param_groups[{group_index}]['params'][{index}] has dtype {p.dtype}; DirectML's "
-                "ADAM_OPTIMIZER takes FLOAT32 or FLOAT16 tensors only (use dml_optim.Adam for other dtypes)"
-            )
+    @classmethod
+    def _dtype_hint(cls) -> str:
+        return " (DirectML's ADAM_OPTIMIZER takes FLOAT32 or FLOAT16 tensors; use dml_optim.Adam for other dtypes)"
 
-    def _check_options(self, group: dict[str, Any]) -> None:
-        super()._check_options(group)
+    def _check_group(self, group: dict[str, Any], gi: int) -> None:
+        super()._check_group(group, gi)
         for key in ("state_dtype", "compute_dtype"):
             if group[key] not in (None, torch.float32, torch.float16):
-                raise TypeError(f"{key}={group[key]} is not supported by DmlAdam: DirectML's ADAM_OPTIMIZER takes FLOAT32 or FLOAT16 only")
+                raise TypeError(f"{key}={group[key]} is not supported by DmlAdam: DirectML's ADAM_OPTIMIZER takes "
+                                "FLOAT32 or FLOAT16 only")
 
-    def _plan(self, group_index: int, group: dict[str, Any]):
-        plan = super()._plan(group_index, group)
-        for flat, (has_grad, _, _) in zip(self._flats[group_index], plan):
-            for i, active in enumerate(has_grad):
-                if active and flat.device_steps is None and flat.steps[i] + self.step_offset > UINT32_MAX:
-                    raise OverflowError(
-                        f"DmlAdam: the training step would reach {flat.steps[i] + self.step_offset}, beyond "
-                        f"DirectML's UINT32 TrainingStepTensor (max {UINT32_MAX}); nothing was updated"
-                    )
-        return plan
+    @classmethod
+    def constants(cls, hyper):
+        return {"alpha": hyper["beta1"], "beta": hyper["beta2"], "epsilon": hyper["epsilon"]}
 
-    def _constants(self, group):
-        return {"alpha": group["beta1"], "beta": group["beta2"], "epsilon": group["epsilon"]}
-
-    def _coefficients(self, group, T):
-        return F.dml_adam_coefficients(group["lr"], T, beta1=group["beta1"], beta2=group["beta2"])
-
-    def _rule(self, x, g, states, scalars, scratch):
-        F.adam_(x, g, *states, scratch=scratch[0], **scalars)
+    @classmethod
+    def coefficients(cls, hyper, T):
+        return F.dml_adam_coefficients(hyper["lr"], T, beta1=hyper["beta1"], beta2=hyper["beta2"])
 
     @staticmethod
-    def _from_torch_group(saved: dict[str, Any]) -> dict[str, Any]:
-        out = {}
-        if "betas" in saved:
-            out["beta1"], out["beta2"] = (float(b) for b in saved["betas"])
-        return out
+    def rule(x, g, m, v, *, scratch, **scalars):
+        F.adam_(x, g, m, v, scratch=scratch[0], **scalars)
 
     def dml_descriptors(self) -> list[dict[str, Any]]:
         """The ADAM_OPTIMIZER descriptor of every flat buffer, in the JSON form of
@@ -129,25 +118,26 @@ class DmlAdam(FlatOptimizer):
         """
         from dml_optim.dml import adam_descriptor, dumps, split_for_dml, validate
 
+        self._follow()
         out = []
-        for gi, (group, flats) in enumerate(zip(self.param_groups, self._flats)):
-            for fi, flat in enumerate(flats):
-                if flat.master is not None or self._state_dtype(group, flat) != flat.dtype:
+        for gi, group in enumerate(self.param_groups):
+            for fi, flat in enumerate(self._buffers_of(gi)):
+                sdtype = self._state_dtype(group, flat.dtype)
+                if flat.master is not None or flat.kahan is not None or sdtype != flat.dtype:
+                    extra = " with master weights" if flat.master is not None else " with Kahan compensation" if flat.kahan is not None else ""
                     raise ValueError(
                         f"param_groups[{gi}] buffer {fi}: parameters are {flat.dtype} but the moments are "
-                        f"{self._state_dtype(group, flat)}{' with master weights' if flat.master is not None else ''}; "
-                        "DirectML's ADAM_OPTIMIZER needs all seven tensors in one data type, so this "
-                        "configuration has no single-operator DirectML form"
+                        f"{sdtype}{extra}; DirectML's ADAM_OPTIMIZER needs all seven tensors in one data type, "
+                        "so this configuration has no single-operator DirectML form"
                     )
                 dtype = {torch.float32: "FLOAT32", torch.float16: "FLOAT16"}[flat.dtype]
-                steps = flat.device_steps.tolist() if flat.device_steps is not None else flat.steps
                 prefix = f"param_groups[{gi}].buffer{fi}"
                 names = {role: f"{prefix}.{role}" for role in ("parameters", "first_moment", "second_moment", "gradient", "training_step")}
                 offset = 0
                 for n in split_for_dml(flat.numel):
                     desc = adam_descriptor(
                         n, dtype, learning_rate=float(group["lr"]), beta1=group["beta1"], beta2=group["beta2"],
-                        epsilon=group["epsilon"], training_step=max(steps) + self.step_offset,
+                        epsilon=group["epsilon"], training_step=flat.counter.max_count() + self.step_offset,
                         buffer_names=names, element_offset=offset,
                     )
                     offset += n

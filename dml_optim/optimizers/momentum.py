@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from dml_optim import functional as F
+import dml_optim.functional as F
 from dml_optim.optimizers.base import FlatOptimizer
+from dml_optim.optimizers.spec import REQUIRED, Hyperparameter, OptimizerSpec, TorchAlias, TorchEquivalent, _one_float, same_alias
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from dml_optim.options import OptimizerOptions
 
 __all__ = ["Momentum"]
+
+
+def _nesterov(value) -> tuple[str]:
+    if not isinstance(value, bool):
+        raise TypeError(f"must be a bool, got {value!r}")
+    return ("nesterov" if value else "standard",)
+
+
+def _dampening(value) -> tuple[float]:
+    (dampening,) = _one_float(value)
+    return (1.0 - dampening,)
 
 
 class Momentum(FlatOptimizer):
@@ -20,71 +37,61 @@ class Momentum(FlatOptimizer):
         standard: X = X - lr * V
         nesterov: X = X - lr * (G_reg + alpha * V)
 
-    Spec: ONNX ``ai.onnx.preview.training`` ``Momentum`` version 1.
+    Spec: ONNX ``ai.onnx.preview.training`` ``Momentum`` version 1 (``lr`` is
+    required, as ONNX's ``R`` is).
 
-    Mapping: ``mode="standard"`` is ``torch.optim.SGD(lr, momentum=alpha,
-    dampening=1 - beta, weight_decay=norm_coefficient)``; ``mode="nesterov"``
-    with ``beta=1`` is ``SGD(..., nesterov=True, dampening=0)``.  The state
-    ``momentum_buffer`` is ONNX ``V``.
+    torch.optim names (accepted, and kept in param groups): ``momentum`` =
+    ``alpha``, ``dampening`` = ``1 - beta``, ``nesterov`` = ``mode ==
+    "nesterov"``, ``weight_decay`` = ``norm_coefficient``.  ``mode="standard"``
+    is ``torch.optim.SGD(lr, momentum, dampening, weight_decay)`` exactly;
+    ``mode="nesterov"`` with ``beta=1`` is ``SGD(..., nesterov=True,
+    dampening=0)``.  The state ``momentum_buffer`` is ONNX ``V``.
     """
 
+    spec = OptimizerSpec(
+        name="momentum",
+        title="ONNX Momentum",
+        reference="ONNX ai.onnx.preview.training Momentum-1",
+        hyperparameters=(
+            Hyperparameter("lr", REQUIRED, "learning rate R", low=0.0),
+            Hyperparameter("alpha", 0.9, "momentum decay", low=0.0, high=1.0),
+            Hyperparameter("beta", 1.0, "gradient scale from the second step on", low=0.0, high=1.0),
+            Hyperparameter("mode", "standard", "standard or nesterov", kind="choice", choices=F.MOMENTUM_MODES),
+            Hyperparameter("norm_coefficient", 0.0, "L2 coefficient added to the gradient", low=0.0),
+        ),
+        torch=TorchEquivalent(
+            "SGD",
+            aliases=(same_alias("momentum", "alpha"),
+                     TorchAlias("dampening", ("beta",), lambda beta: 1.0 - beta, _dampening),
+                     TorchAlias("nesterov", ("mode",), lambda mode: mode == "nesterov", _nesterov),
+                     same_alias("weight_decay", "norm_coefficient")),
+            requires=(("mode", lambda h: h["mode"] == "standard" or h["beta"] == 1,
+                       "torch.optim.SGD's nesterov needs zero dampening, i.e. beta=1"),),
+        ),
+        default_lr=None,
+        train_lr=5e-2,
+    )
     state_names = ("momentum_buffer",)
     step_offset = 0
-    #: Hyperparameter ranges, checked (and stored as floats) by the base class.
-    hyperparameter_ranges = {
-        "lr": dict(low=0.0),
-        "alpha": dict(low=0.0, high=1.0),
-        "beta": dict(low=0.0, high=1.0),
-        "norm_coefficient": dict(low=0.0),
-    }
     skip_identity = {"lr": 0.0, "alpha": 1.0, "grad_scale": 0.0, "norm_coefficient": 0.0}
+    zero_skips = ("norm_coefficient",)
 
-    def __init__(
-        self,
-        params,
-        lr: float,
-        *,
-        alpha: float = 0.9,
-        beta: float = 1.0,
-        mode: str = "standard",
-        norm_coefficient: float = 0.0,
-        backend: str = "auto",
-        state_dtype=None,
-        compute_dtype=None,
-        master_weights: bool = False,
-        nonfinite: str = "propagate",
-        atomic: bool = False,
-    ):
-        defaults = dict(lr=lr, alpha=alpha, beta=beta, mode=mode, norm_coefficient=norm_coefficient)
-        super().__init__(
-            params, defaults, backend=backend, state_dtype=state_dtype,
-            compute_dtype=compute_dtype, master_weights=master_weights, nonfinite=nonfinite,
-            atomic=atomic,
-        )
+    def __init__(self, params, lr: float, *, alpha: float = 0.9, beta: float = 1.0, mode: str = "standard",
+                 norm_coefficient: float = 0.0, momentum: float | None = None, dampening: float | None = None,
+                 nesterov: bool | None = None, weight_decay: float | None = None,
+                 **options: "Unpack[OptimizerOptions]"):
+        super().__init__(params, dict(lr=lr, alpha=alpha, beta=beta, mode=mode, norm_coefficient=norm_coefficient),
+                         dict(momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay),
+                         options)
 
-    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
-        super()._check_hyperparameters(group)
-        if group["mode"] not in F.MOMENTUM_MODES:
-            raise ValueError(f"mode must be 'standard' or 'nesterov', got {group['mode']!r}")
+    @classmethod
+    def constants(cls, hyper):
+        return {"alpha": hyper["alpha"], "norm_coefficient": hyper["norm_coefficient"], "nesterov": hyper["mode"] == "nesterov"}
 
-    def _constants(self, group):
-        return {"alpha": group["alpha"], "norm_coefficient": group["norm_coefficient"], "nesterov": group["mode"] == "nesterov"}
-
-    def _coefficients(self, group, T):
-        return F.momentum_coefficients(group["lr"], T, beta=group["beta"])
-
-    def _rule(self, x, g, states, scalars, scratch):
-        F.momentum_(x, g, *states, scratch=scratch[0], **scalars)
+    @classmethod
+    def coefficients(cls, hyper, T):
+        return F.momentum_coefficients(hyper["lr"], T, beta=hyper["beta"])
 
     @staticmethod
-    def _from_torch_group(saved: dict[str, Any]) -> dict[str, Any]:
-        out = {}
-        if "momentum" in saved:
-            out["alpha"] = float(saved["momentum"])
-        if "dampening" in saved:
-            out["beta"] = 1.0 - float(saved["dampening"])
-        if "nesterov" in saved:
-            out["mode"] = "nesterov" if saved["nesterov"] else "standard"
-        if "weight_decay" in saved:
-            out["norm_coefficient"] = float(saved["weight_decay"])
-        return out
+    def rule(x, g, v, *, scratch, **scalars):
+        F.momentum_(x, g, v, scratch=scratch[0], **scalars)

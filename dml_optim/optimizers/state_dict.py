@@ -1,41 +1,54 @@
-"""Loading state dicts into a :class:`~dml_optim.optimizers.base.FlatOptimizer`.
+"""Saving and loading the state dicts of a :class:`~dml_optim.optimizers.base.FlatOptimizer`.
 
-Two layouts load:
+:func:`save` writes torch.optim's layout (``state`` by parameter index, each
+entry views of the flat buffers; ``param_groups`` with our names and
+torch's) plus a ``dml_optim`` marker.  Parameters that are ``DTensor``s
+(FSDP2) get ``DTensor`` states with the parameter's sharding, so
+``torch.distributed.checkpoint`` saves each rank's shard.
+
+Two layouts load (:func:`load`):
 
 * version 1 (ours): torch.optim's layout plus ``{"dml_optim": {"format_version": 1,
   "optimizer": <class name>}}``; param-group hyperparameters use our names;
 * version 0: torch.optim's own layout (no ``dml_optim`` key), e.g. a
   ``torch.optim.Adam`` checkpoint: ``exp_avg``/``exp_avg_sq``/``sum``/
   ``momentum_buffer`` load as our states (the same names), ``lr`` and the
-  hyperparameters that mean the same thing are mapped (``betas`` → ``alpha,
+  hyperparameters that mean the same thing are mapped through the class's
+  declared torch.optim aliases (``cls.spec.torch``: ``betas`` → ``alpha,
   beta`` or ``beta1, beta2``; ``weight_decay`` → ``norm_coefficient``; for
-  Adagrad ``lr_decay``/``eps``; for SGD ``momentum``/``dampening``/``nesterov``).
-  torch's Adam ``eps`` is *not* mapped: it is added at a different place.
+  Adagrad ``lr_decay``/``eps``; for SGD ``momentum``/``dampening``/``nesterov``;
+  AdamW's names are torch's).  torch's Adam ``eps`` is *not* mapped into ONNX
+  Adam: it is added at a different place.
   Our own hyperparameter names, when present in such a dict (torch.optim's
   ``Optimizer.state_dict`` over our param groups, e.g. a bare
   ``ZeroRedundancyOptimizer.state_dict()``), are read as they are.
   Flags with no equivalent here are refused when set (``maximize``,
-  ``amsgrad``, ``decoupled_weight_decay``), never silently dropped.  A
+  ``amsgrad``, ``decoupled_weight_decay``, unless they are hyperparameters of
+  this class), never silently dropped.  A
   ``torch.optim.SGD`` state has no ``step``; a ``momentum_buffer`` means at
   least one step was taken, which is all ONNX Momentum's ``T`` distinguishes,
   so it loads as ``step = 1``.  (torch 2.4's ``AdamW`` writes no flag that
   tells it from ``Adam``: its decoupled ``weight_decay`` would load as our L2
-  ``norm_coefficient``; don't load an AdamW checkpoint into ``Adam``.)
+  ``norm_coefficient``; load AdamW checkpoints into :class:`~dml_optim.AdamW`.)
 
 Param groups: a version-1 group must hold every hyperparameter of this
-optimizer (a missing one is a ``KeyError``); keys that learning-rate
-schedulers add (``initial_lr``, ...: ``SCHEDULER_KEYS``) load as they are;
-any other unknown key is a ``KeyError``.  Python ints become floats (a huge
+optimizer under our names (a missing one is a ``KeyError``); torch's names
+and the options are optional; keys that learning-rate schedulers add
+(``initial_lr``, ...: ``SCHEDULER_KEYS``) load as they are; any other
+unknown key is a ``KeyError``.  Python ints become floats (a huge
 int would overflow in the kernels).  Parameter ids must be unique.
 
 Casting: every state tensor is cast to *this* optimizer's state dtype and
 moved to its device; the optimizer keeps its own precision and runtime options
-(``state_dtype``, ``compute_dtype``, ``master_weights``, ``backend``,
-``nonfinite``): the saved ones are checked but not applied.  A
-``master_param`` entry loads into an optimizer with master weights and is
-ignored by one without (its parameters come from the model's own state dict).
-``step`` may be a tensor or a number: a whole number in ``[0, 2**53]`` (for
-``DmlAdam``, at most ``2**32 - 1``: its ``T`` is a UINT32).
+(``backend``, ``state_dtype``, ``compute_dtype``, ``master_weights``,
+``kahan``, ``nonfinite``, ``capturable``): the saved ones are checked but not
+applied.  A ``master_param`` (``kahan_comp``) entry loads into an optimizer
+with master weights (Kahan summation) and is ignored by one without (its
+parameters come from the model's own state dict).  A state entry for a
+frozen (unpacked) parameter packs it, as torch.optim keeps such state.
+``step`` may be a tensor or a number: a whole number in ``[0, cls.max_step]``
+(``2**53``; for ``DmlAdam`` ``2**32 - 1``: its ``T`` is a UINT32).  A DTensor
+state entry loads its local shard.
 
 Atomicity: everything is checked, and every incoming tensor converted into
 new buffers, before the first write, so a bad state dict (or a failed
@@ -50,26 +63,86 @@ from typing import Any
 
 import torch
 
-__all__ = ["load_into", "MAX_STEP", "SCHEDULER_KEYS"]
+from dml_optim.flat import FlatBuffer, is_distributed, local_tensor
+from dml_optim.options import BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, dtype_option
+from dml_optim.optimizers.spec import sync_group
+
+__all__ = ["save", "load", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES"]
 
 _TOP_KEYS = {"state", "param_groups", "dml_optim"}
-#: Largest step count accepted (every whole number up to it is exact in float64).
-MAX_STEP = 2**53
 #: Param-group keys that learning-rate schedulers add; they load as they are.
 SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"})
-#: torch.optim flags that change the update and have no equivalent here.
-_TORCH_FLAGS = ("maximize", "amsgrad", "decoupled_weight_decay")
+#: Per-parameter entries beside the rule's states: the FP32 master copy and the Kahan compensation.
+EXTRA_STATES = ("master_param", "kahan_comp")
+
+
+# -- saving -----------------------------------------------------------------------------------
+
+
+def _as_param_layout(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A state view laid out like parameter ``p``: a DTensor with its sharding when ``p`` is one."""
+    if not is_distributed(p):
+        return view
+    cls = type(p)
+    return cls.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def param_state(opt, flat: FlatBuffer, i: int, count: int) -> dict[str, Any]:
+    """Parameter ``i`` of ``flat``'s state as torch.optim shows it (views of the flat buffers)."""
+    if not flat.states or count == 0:
+        return {}
+    p = flat.params[i]
+    state: dict[str, Any] = {"step": torch.tensor(float(count), dtype=torch.float64)}  # exact to 2**53
+    a, b = flat.segment(i, i + 1)
+    shape = local_tensor(p).shape
+    for name, t in flat.states.items():
+        state[name] = _as_param_layout(t[a:b].view(shape), p)
+    for name, t in zip(EXTRA_STATES, (flat.master, flat.kahan)):
+        if t is not None:
+            state[name] = _as_param_layout(t[a:b].view(shape), p)
+    return state
+
+
+def save(opt) -> dict[str, Any]:
+    """The state dict of ``opt`` (see the module docstring)."""
+    opt._follow()
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for gi, group in enumerate(opt.param_groups):
+        where = {}
+        for flat in opt._buffers_of(gi):
+            counts = flat.counter.counts()  # once per buffer: one sync at most
+            for i, pi in enumerate(flat.indices):
+                where[pi] = (flat, i, counts[i])
+        for pi in range(len(group["params"])):
+            if pi in where:
+                entry = param_state(opt, *where[pi])
+                if entry:
+                    state[index + pi] = entry
+        packed = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
+                  for k, v in group.items() if k != "params"}
+        packed["params"] = list(range(index, index + len(group["params"])))
+        index += len(group["params"])
+        groups.append(packed)
+    return {
+        "state": state,
+        "param_groups": groups,
+        "dml_optim": {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(opt).__name__},
+    }
 
 
 def _fail(message: str, exc=ValueError):
     raise exc(f"load_state_dict: {message}")
 
 
-def load_into(opt, state_dict: dict[str, Any]) -> None:
+def load(opt, state_dict: dict[str, Any]) -> None:
     """Check ``state_dict`` completely, convert it, then write it into ``opt``."""
+    opt._follow()
     version = _check_top(opt, state_dict)
     new_groups, index_of = _check_groups(opt, state_dict["param_groups"], version)
-    incoming = _check_state(opt, state_dict["state"], index_of, version)
+    incoming = _check_state(opt, state_dict["state"], index_of, new_groups, version)
+    opt._include(sorted(incoming))  # frozen parameters with saved state get packed (their values are unchanged)
     staged = _stage(opt, new_groups, incoming)
     _write(opt, new_groups, staged)
 
@@ -78,8 +151,6 @@ def load_into(opt, state_dict: dict[str, Any]) -> None:
 
 
 def _check_top(opt, state_dict) -> int:
-    from dml_optim.optimizers.base import STATE_DICT_FORMAT_VERSION
-
     if not isinstance(state_dict, dict):
         _fail(f"state_dict must be a dict, got {type(state_dict).__name__}", TypeError)
     missing = {"state", "param_groups"} - state_dict.keys()
@@ -113,6 +184,7 @@ def _check_groups(opt, saved_groups, version: int):
         _fail(f"param_groups must be a list, got {type(saved_groups).__name__}", TypeError)
     if len(saved_groups) != len(opt.param_groups):
         _fail(f"the state dict has {len(saved_groups)} parameter groups, this optimizer has {len(opt.param_groups)}")
+    spec = type(opt).spec
     new_groups = []
     index_of: dict[Any, tuple[int, int]] = {}
     for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
@@ -131,50 +203,53 @@ def _check_groups(opt, saved_groups, version: int):
             index_of[pid] = (gi, pi)
         updates = _group_updates(opt, group, saved, gi, version)
         candidate = dict(group, **updates)
-        for key in opt._options:  # the optimizer keeps its own precision and runtime options
+        for key in OPTION_NAMES:  # the optimizer keeps its own precision and runtime options
             candidate[key] = group[key]
         for key, value in candidate.items():  # Python ints reach the kernels as floats (2**70 overflows int64)
-            if key not in opt._options and isinstance(value, int) and not isinstance(value, bool):
+            if key in spec.names and isinstance(value, int) and not isinstance(value, bool):
                 if abs(value) > 2**1023:
                     _fail(f"param_groups[{gi}]: {key} = {value} is too large for a float")
                 candidate[key] = float(value)
         try:
-            opt._check_hyperparameters(candidate)
-            opt._check_options(candidate)
-        except (TypeError, ValueError) as exc:
-            _fail(f"param_groups[{gi}]: {exc}", type(exc))
-        new_groups.append(candidate)
+            # what changed since the optimizer's last sync is copied to the other name
+            synced = sync_group(spec, candidate, opt._layout[gi].synced, f"param_groups[{gi}]")
+            opt._check_group(candidate, gi)
+        except (TypeError, ValueError, KeyError) as exc:
+            _fail(f"{exc}" if str(exc).startswith("param_groups[") else f"param_groups[{gi}]: {exc}", type(exc))
+        new_groups.append((candidate, synced))
     return new_groups, index_of
 
 
 def _group_updates(opt, group, saved: dict, gi: int, version: int) -> dict[str, Any]:
-    """The hyperparameters a saved group sets, in our names."""
+    """The hyperparameters a saved group sets, in our names (and torch's, when it has them)."""
+    spec = type(opt).spec
     if version >= 1:
         updates = {k: v for k, v in saved.items() if k != "params"}
         unknown = set(updates) - set(group) - SCHEDULER_KEYS
         if unknown:
             _fail(f"param_groups[{gi}] has unknown hyperparameters {sorted(map(str, unknown))}", KeyError)
-        missing = set(opt.defaults) - set(updates)
+        missing = set(spec.names) - set(updates)
         if missing:
             _fail(f"param_groups[{gi}] is missing hyperparameters {sorted(missing)}", KeyError)
         _check_saved_options(updates, gi)
         return updates
-    for flag in _TORCH_FLAGS:
-        if saved.get(flag):
-            _fail(
-                f"param_groups[{gi}] has {flag}={saved[flag]!r}, which {type(opt).__name__} does not implement; "
-                "refusing to load it with a different update rule"
-            )
+    for flag in spec.torch.flags:
+        if flag not in spec.names and saved.get(flag):
+            _fail(f"param_groups[{gi}] has {flag}={saved[flag]!r}, which {type(opt).__name__} does not implement; "
+                  "refusing to load it with a different update rule")
+    refusal = type(opt).checkpoint_refusal(saved) if type(opt).checkpoint_refusal else None
+    if refusal is not None:
+        _fail(f"param_groups[{gi}]: {refusal}; refusing to load it with a different update rule")
     try:
-        updates = dict(opt._from_torch_group(saved))
+        updates = spec.from_torch_group(saved)
     except (TypeError, ValueError) as exc:
         _fail(f"param_groups[{gi}]: cannot read torch.optim hyperparameters: {exc}", type(exc))
-    updates["lr"] = saved.get("lr", group["lr"])
+    updates.setdefault("lr", group["lr"])
     # our own names, when present, win: a dict without the marker written by
     # torch.optim's Optimizer.state_dict over our groups (a bare ZeRO state_dict)
     # holds them, and none of them means something else in torch.optim
-    for key in set(opt.defaults) - set(opt._options) - {"lr"}:
-        if key in saved:
+    for key in spec.names:
+        if key in saved and key not in spec.torch.same:
             updates[key] = saved[key]
     for key in SCHEDULER_KEYS & saved.keys():
         updates[key] = saved[key]
@@ -183,34 +258,33 @@ def _group_updates(opt, group, saved: dict, gi: int, version: int) -> dict[str, 
 
 def _check_saved_options(updates: dict[str, Any], gi: int) -> None:
     """Saved options must be well formed (they are not applied, see the module docstring)."""
-    from dml_optim.optimizers.base import BACKENDS, NONFINITE_MODES, _dtype_arg
-
     try:
         if "backend" in updates and updates["backend"] not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {updates['backend']!r}")
         if "nonfinite" in updates and updates["nonfinite"] not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {updates['nonfinite']!r}")
-        if "master_weights" in updates and not isinstance(updates["master_weights"], bool):
-            raise TypeError(f"master_weights must be a bool, got {updates['master_weights']!r}")
+        for key in ("master_weights", "kahan", "capturable"):
+            if key in updates and not isinstance(updates[key], bool):
+                raise TypeError(f"{key} must be a bool, got {updates[key]!r}")
         for key in ("state_dtype", "compute_dtype"):
             if key in updates:
-                _dtype_arg(key, updates[key])
+                dtype_option(key, updates[key])
     except (TypeError, ValueError) as exc:
         _fail(f"param_groups[{gi}]: {exc}", type(exc))
 
 
-def _check_state(opt, saved_state, index_of, version: int) -> dict[tuple[int, int], dict[str, Any]]:
+def _check_state(opt, saved_state, index_of, new_groups, version: int) -> dict[tuple[int, int], dict[str, Any]]:
     if not isinstance(saved_state, dict):
         _fail(f"state must be a dict, got {type(saved_state).__name__}", TypeError)
-    names = set(opt.state_names)
-    allowed = names | {"step", "master_param"}
-    step_optional = version == 0 and opt.state_names == ("momentum_buffer",)  # torch.optim.SGD keeps no step
-    max_step = _max_step(opt)
+    cls = type(opt)
     incoming: dict[tuple[int, int], dict[str, Any]] = {}
     for pid, entry in saved_state.items():
         if not isinstance(pid, (int, str)) or isinstance(pid, bool) or pid not in index_of:
             _fail(f"state has an entry for parameter id {pid!r}, which no param group lists", KeyError)
         gi, pi = index_of[pid]
+        names = set(cls.group_state_names(new_groups[gi][0]))
+        allowed = names | {"step"} | set(EXTRA_STATES)
+        step_optional = version == 0 and cls.state_names == ("momentum_buffer",)  # torch.optim.SGD keeps no step
         p = opt.param_groups[gi]["params"][pi]
         where = f"state[{pid!r}] (param_groups[{gi}]['params'][{pi}], shape {tuple(p.shape)})"
         if not isinstance(entry, dict):
@@ -223,21 +297,12 @@ def _check_state(opt, saved_state, index_of, version: int) -> dict[tuple[int, in
         if missing:
             _fail(f"{where} is missing keys {sorted(missing)}", KeyError)
         step = _check_step(entry["step"], where) if "step" in entry else 1
-        if step > max_step:
-            _fail(f"{where}['step'] = {step} is beyond what {type(opt).__name__} can have reached (max {max_step})")
-        for key in sorted((names | {"master_param"}) & set(entry)):
+        if step > cls.max_step:
+            _fail(f"{where}['step'] = {step} is beyond what {cls.__name__} can have reached (max {cls.max_step})")
+        for key in sorted((names | set(EXTRA_STATES)) & set(entry)):
             _check_state_tensor(entry[key], f"{where}[{key!r}]", p)
         incoming[(gi, pi)] = dict(entry, step=step)
     return incoming
-
-
-def _max_step(opt) -> int:
-    """The largest completed-step count ``opt`` can hold (DmlAdam: T = step + 1 is a UINT32)."""
-    from dml_optim.optimizers.dml_adam import UINT32_MAX, DmlAdam
-
-    if isinstance(opt, DmlAdam):
-        return UINT32_MAX - opt.step_offset + 1
-    return MAX_STEP
 
 
 def _check_step(step, where: str) -> int:
@@ -260,6 +325,8 @@ def _check_step(step, where: str) -> int:
 
 
 def _check_state_tensor(t, where: str, p: torch.Tensor) -> None:
+    if is_distributed(t):
+        t, p = local_tensor(t), local_tensor(p)
     if not isinstance(t, torch.Tensor):
         _fail(f"{where} must be a tensor, got {type(t).__name__}", TypeError)
     if t.layout != torch.strided:
@@ -276,46 +343,46 @@ def _check_state_tensor(t, where: str, p: torch.Tensor) -> None:
 
 
 def _stage(opt, new_groups, incoming) -> list[list[dict[str, Any]]]:
-    """Per group and flat buffer: new flat states, master copy and step counts."""
+    """Per group and flat buffer: new flat states, master copy, compensation and step counts."""
     staged = []
-    for gi, candidate in enumerate(new_groups):
+    for gi, (candidate, _) in enumerate(new_groups):
         per_flat = []
-        for flat in opt._flats[gi]:
-            sdtype = opt._state_dtype(candidate, flat)
-            states = {name: torch.zeros(flat.numel, dtype=sdtype, device=flat.device) for name in opt.state_names}
-            master = flat.data.to(sdtype, copy=True) if candidate["master_weights"] else None
+        for flat in opt._buffers_of(gi):
+            sdtype = opt._state_dtype(candidate, flat.dtype)
+            names = type(opt).group_state_names(candidate)
+            states = {name: torch.zeros(flat.numel, dtype=sdtype, device=flat.device) for name in names}
+            master = flat.data.to(opt._master_dtype(candidate, flat.dtype), copy=True) if candidate["master_weights"] else None
+            kahan = torch.zeros(flat.numel, dtype=flat.dtype, device=flat.device) if candidate["kahan"] else None
+            extras = {"master_param": master, "kahan_comp": kahan}
             steps = []
             for i, pi in enumerate(flat.indices):
                 entry = incoming.get((gi, pi))
                 steps.append(entry["step"] if entry else 0)
                 if not entry:
                     continue
-                for name in opt.state_names:
-                    flat.views(states[name])[i].copy_(entry[name])
-                if master is not None and "master_param" in entry:
-                    flat.views(master)[i].copy_(entry["master_param"])
-            device_steps = None
-            if flat.device_steps is not None:
-                device_steps = torch.tensor(steps, dtype=torch.int64, device=flat.device)
-            per_flat.append(dict(states=states, master=master, steps=steps, device_steps=device_steps))
+                a, b = flat.segment(i, i + 1)
+                for name in names:
+                    states[name][a:b].copy_(local_tensor(entry[name]).reshape(-1))
+                for name, t in extras.items():
+                    if t is not None and name in entry:
+                        t[a:b].copy_(local_tensor(entry[name]).reshape(-1))
+            per_flat.append(dict(states=states, master=master, kahan=kahan, steps=steps))
         staged.append(per_flat)
     return staged
 
 
 def _write(opt, new_groups, staged) -> None:
-    for gi, (group, candidate, per_flat) in enumerate(zip(opt.param_groups, new_groups, staged)):
+    for gi, (group, (candidate, synced), per_flat) in enumerate(zip(opt.param_groups, new_groups, staged)):
         params = group["params"]
         group.clear()
         group.update(candidate)
         group["params"] = params
-        for flat, new in zip(opt._flats[gi], per_flat):
-            opt._ensure_state(group, flat)
-            for name in opt.state_names:
-                flat.states[name].copy_(new["states"][name])
+        opt._layout[gi].synced = synced
+        for flat, new in zip(opt._buffers_of(gi), per_flat):
+            flat.states = new["states"]
+            flat.master, flat.kahan = new["master"], new["kahan"]
+            flat.precision = opt._precision(group)
+            flat.scratch = []
+            flat.counter.set_counts(new["steps"])
             if flat.master is not None:
-                flat.master.copy_(new["master"])
-            flat.steps[:] = new["steps"]
-            if flat.device_steps is not None:
-                flat.device_steps.copy_(new["device_steps"])
-                flat.step_history = list(new["steps"])
-            opt._sync_master(flat)
+                flat.data.copy_(flat.master)

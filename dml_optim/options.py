@@ -1,0 +1,143 @@
+"""Constants and the runtime options every optimizer takes (a leaf module: it imports only torch).
+
+Two kinds of settings live in a param group:
+
+* **hyperparameters** (``lr``, ``alpha``, ``betas``, ...): the update rule's
+  numbers, declared per optimizer in its spec (:mod:`dml_optim.optimizers.spec`);
+* **options** (this module): how the rule runs, the same for every optimizer:
+  ``backend``, ``state_dtype``, ``compute_dtype``, ``master_weights``,
+  ``kahan``, ``nonfinite`` and ``capturable``.
+
+Optimizer-wide settings (``atomic``, ``checks``, ``pack_via``) are attributes
+of the optimizer, not of a group.  :func:`check_options` validates a group's
+options in place and returns nothing; every message names the option and the
+value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "NONFINITE_MODES",
+    "CHECK_MODES",
+    "PACK_MODES",
+    "SUPPORTED_DTYPES",
+    "LOW_PRECISION_DTYPES",
+    "CHUNK_ELEMENTS",
+    "STATE_DICT_FORMAT_VERSION",
+    "MAX_STEP",
+    "OPTION_DEFAULTS",
+    "OPTION_NAMES",
+    "dtype_option",
+    "OptimizerOptions",
+    "check_options",
+    "check_flag",
+    "check_choice",
+]
+
+#: ``backend=``: the eager op chain, the torch.compile'd kernel, or the choice by size and device.
+BACKENDS = ("auto", "eager", "compiled")
+#: ``nonfinite=``: what a step does with inf/NaN gradients.
+NONFINITE_MODES = ("propagate", "skip", "raise")
+#: ``checks=``: how much of the parameter/gradient binding a step re-checks (see ``FlatOptimizer``).
+CHECK_MODES = ("full", "fast")
+#: ``pack_via=``: where packing copies go through ("auto": host memory off the CPU, bounded peak).
+PACK_MODES = ("auto", "device", "host")
+#: Parameter dtypes the optimizers accept.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Dtypes that master weights and Kahan summation apply to.
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+#: Elements per chunk when the rule runs in a wider compute dtype than storage (eager backend).
+CHUNK_ELEMENTS = 1 << 20
+#: Version of the layout ``state_dict()`` writes under ``state_dict()["dml_optim"]``.
+#: Version 0 is torch.optim's layout (no ``dml_optim`` key), which still loads.
+STATE_DICT_FORMAT_VERSION = 1
+#: Largest step count held (every whole number up to it is exact in float64).
+MAX_STEP = 2**53
+
+#: Per-group options and their defaults.
+OPTION_DEFAULTS: dict[str, Any] = {
+    "backend": "auto",
+    "state_dtype": None,
+    "compute_dtype": None,
+    "master_weights": False,
+    "kahan": False,
+    "nonfinite": "propagate",
+    "capturable": False,
+}
+OPTION_NAMES = tuple(OPTION_DEFAULTS)
+
+
+class OptimizerOptions(TypedDict, total=False):
+    """The keyword options every optimizer accepts after its hyperparameters.
+
+    Per group (also accepted in ``add_param_group`` dicts): ``backend``
+    (``"auto"``, ``"eager"``, ``"compiled"``), ``state_dtype``,
+    ``compute_dtype``, ``master_weights``, ``kahan``, ``nonfinite``
+    (``"propagate"``, ``"skip"``, ``"raise"``), ``capturable``.  Optimizer-wide:
+    ``atomic`` (roll a failed step back), ``checks`` (``"full"``, ``"fast"``),
+    ``pack_via`` (``"auto"``, ``"device"``, ``"host"``).
+    """
+
+    backend: str
+    state_dtype: "torch.dtype | str | None"
+    compute_dtype: "torch.dtype | str | None"
+    master_weights: bool
+    kahan: bool
+    nonfinite: str
+    capturable: bool
+    atomic: bool
+    checks: str
+    pack_via: str
+
+
+def dtype_option(name: str, value) -> torch.dtype | None:
+    """``value`` (a torch dtype, its name such as ``"float16"``, or None) as a dtype or None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = getattr(torch, value.replace("torch.", ""), value)
+    if not isinstance(value, torch.dtype) or value not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} must be one of float16, bfloat16, float32, float64 or None, got {value!r}")
+    return value
+
+
+def check_flag(name: str, value) -> bool:
+    """A bool option; anything else is a ``TypeError`` naming it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``; else a ``ValueError`` naming ``name`` and the value."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def check_options(group: dict[str, Any]) -> None:
+    """Validate and normalize the options of ``group`` in place (dtype names become dtypes).
+
+    Checks each option alone and the combinations that can't work whatever
+    the parameters are; parameter-dependent checks (master weights need
+    float16/bfloat16 parameters) are the optimizer's.
+    """
+    check_choice("backend", group["backend"], BACKENDS)
+    check_choice("nonfinite", group["nonfinite"], NONFINITE_MODES)
+    for key in ("state_dtype", "compute_dtype"):
+        group[key] = dtype_option(key, group[key])
+    for key in ("master_weights", "kahan", "capturable"):
+        check_flag(key, group[key])
+    if group["master_weights"] and group["kahan"]:
+        raise ValueError(
+            "master_weights=True and kahan=True are alternatives (an FP32 master copy, or an FP16/BF16 "
+            "compensation buffer); choose one"
+        )
+    if group["capturable"] and group["nonfinite"] == "raise":
+        raise ValueError("capturable=True and nonfinite='raise' cannot be combined: 'raise' reads a flag on the host every step")
+

@@ -1,0 +1,158 @@
+"""One update of one range of a flat buffer, written once for every backend and precision.
+
+An optimizer class supplies the math as class-level functions of plain data
+(no instance): ``constants(hyper)`` and ``coefficients(hyper, T)`` (the
+per-step scalars, from :mod:`dml_optim.functional`) and ``rule(x, g,
+*states, **scalars)`` (the in-place kernel).  This module strings them
+together:
+
+* :func:`step_scalars`: the rule's scalars at step count ``T``, gated by a
+  ``finite`` flag (a skipped step: every coefficient named in the class's
+  ``skip_identity`` takes its no-op value, so parameters and states stay
+  bit-exactly as they were);
+* :func:`run_rule`: the rule over one range in the compute dtype, with the
+  precision modes: converted operands (FP16 storage, FP32 arithmetic), an
+  FP32 master copy written back to the parameters, or Kahan-compensated
+  low-precision parameters;
+* :func:`fused_step`: both, plus the step counter's increment, for the
+  compiled backend (:mod:`dml_optim.compiled` traces it into one kernel).
+
+The same code runs on Python numbers (eager, step counts known on the host:
+no device op for the scalars), on 0-d device tensors (gated or capturable
+steps, no host sync) and under ``torch.compile`` (everything a tensor).
+
+Kahan summation (``kahan=True``, the technique of optimi): the parameters
+stay in FP16/BF16 and a compensation buffer ``c`` of the same dtype carries
+what rounding lost.  With ``x`` the stored parameters and ``u`` the update
+computed in FP32::
+
+    y = u + c;  t = round(x + y);  c = round(y - (t - x));  x = t
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+__all__ = ["step_scalars", "run_rule", "fused_step", "conversion_count", "coefficient_dtype"]
+
+
+def coefficient_dtype(device: torch.device) -> torch.dtype:
+    """The dtype per-step coefficients are computed in on ``device``: float64 where the device has
+    it (the host path computes them in Python floats, i.e. float64, too), else float32."""
+    return torch.float64 if device.type in ("cpu", "cuda", "meta") else torch.float32
+
+
+def _full_like(value, like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, value)
+
+
+def step_scalars(cls, hyper: Mapping[str, Any], T, finite: torch.Tensor | None,
+                 coef_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The scalars of ``cls.rule`` after ``T`` completed steps (a number, or a 0-d device tensor).
+
+    With ``finite`` (a 0-d bool on the device), every coefficient of
+    ``cls.skip_identity`` becomes ``where(finite, value, identity)``: a skipped
+    step changes nothing.  Number operands become 0-d tensors made with a
+    device fill (no host-to-device copy, no sync).
+    """
+    if isinstance(T, torch.Tensor):
+        T = T.to(coef_dtype) + cls.step_offset
+    else:
+        T = T + cls.step_offset
+    scalars = {**cls.constants(hyper), **cls.coefficients(hyper, T)}
+    if finite is None:
+        return scalars
+    like = T if isinstance(T, torch.Tensor) else torch.zeros((), dtype=coef_dtype, device=finite.device)
+    for name, identity in cls.skip_identity.items():
+        if name not in scalars:
+            continue
+        value = scalars[name]
+        if not isinstance(value, torch.Tensor) and value == identity:
+            continue  # already a no-op: stays a number (fewer ops)
+        if not isinstance(value, torch.Tensor):
+            value = _full_like(value, like)
+        scalars[name] = torch.where(finite, value.to(like.dtype), _full_like(identity, like))
+    return scalars
+
+
+def conversion_count(needs: bool, kahan: bool, n_states: int) -> int:
+    """How many operand-sized buffers :func:`run_rule` needs in chunked (eager) mode."""
+    if not needs:
+        return 0
+    return 2 + n_states + (2 if kahan else 0)
+
+
+def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tensor], scalars: Mapping[str, Any], *,
+             compute_dtype: torch.dtype, finite: torch.Tensor | None = None, params_out: torch.Tensor | None = None,
+             comp: torch.Tensor | None = None, buffers: Sequence[torch.Tensor] | None = None,
+             scratch: Sequence[torch.Tensor | None] = (), fused: bool = False) -> None:
+    """Apply ``cls.rule`` to one range, in place on ``x`` and ``states``.
+
+    ``x``: the values the rule updates (the parameters, or their FP32 master
+    copy, in which case ``params_out`` receives the rounded result); ``comp``:
+    the Kahan compensation buffer.  Operands whose dtype is not
+    ``compute_dtype`` are converted: into ``buffers`` (preallocated, same
+    length as ``x``; eager) or by ``.to()`` (``fused``: inside a compiled
+    graph, where nothing is materialized).  ``scratch``: the rule's own
+    temporaries (None entries: the rule allocates, or fuses).
+    """
+    pool = iter(buffers) if buffers is not None else None
+
+    def up(t: torch.Tensor, force: bool = False) -> torch.Tensor:
+        if t.dtype == compute_dtype and not force:
+            return t
+        if pool is None:
+            return t.to(compute_dtype, copy=True)
+        return next(pool).copy_(t)
+
+    if finite is not None:  # a skipped step's gradient may hold inf/nan: 0 * inf would be nan
+        if fused:
+            g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        else:
+            g.masked_fill_(finite.logical_not(), 0)
+    x_old = up(x, force=True) if comp is not None else None
+    xs = up(x, force=comp is not None)
+    gs = up(g)
+    ss = [up(s) for s in states]
+    cls.rule(xs, gs, *ss, scratch=scratch, **scalars)
+    for s, c in zip(states, ss):
+        if c is not s:
+            s.copy_(c)
+    if comp is not None:
+        cs = up(comp, force=True)
+        y = xs.sub_(x_old).add_(cs)  # u + c
+        t = torch.add(x_old, y, out=cs) if not fused else x_old + y
+        x.copy_(t)  # round(x + y)
+        back = cs.copy_(x) if not fused else x.to(compute_dtype)
+        comp.copy_(y.sub_(back.sub_(x_old)))  # round(y - (t - x))
+    elif xs is not x:
+        x.copy_(xs)
+    if params_out is not None:
+        params_out.copy_(x)
+
+
+def fused_step(cls, structure: tuple, names: Sequence[str], compute_dtype: torch.dtype, gated: bool,
+               has_out: bool, has_comp: bool, n_states: int, *tensors: torch.Tensor) -> None:
+    """The whole step of one range as the compiled backend traces it (positional tensors only).
+
+    ``tensors``: ``x, g, *states, [params_out], [comp], T, [finite], *hyper``
+    where ``hyper`` are 0-d tensors named by ``names``.  ``structure`` holds the
+    class's structural hyperparameter values (mode, flags, exact zeros), which
+    reach the rule as Python values.  The step counter ``T`` (completed
+    steps) is advanced inside the graph, by 1 or by ``finite``.
+    """
+    it = iter(tensors)
+    x, g = next(it), next(it)
+    states = [next(it) for _ in range(n_states)]
+    params_out = next(it) if has_out else None
+    comp = next(it) if has_comp else None
+    T = next(it)
+    finite = next(it) if gated else None
+    hyper = dict(zip(names, it))
+    hyper.update(structure)
+    scalars = step_scalars(cls, hyper, T, finite, coefficient_dtype(x.device))
+    run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite, params_out=params_out,
+             comp=comp, fused=True, scratch=(None,) * cls.scratch_slots)
+    T.add_(finite.to(T.dtype) if finite is not None else 1)
