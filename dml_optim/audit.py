@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dml_optim.dml.dispatch import Resolver, foreach_element_op, overload_of, to_meta

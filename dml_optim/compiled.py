@@ -181,10 +181,23 @@ def kernel(key: tuple):
             fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, n_states, *tensors)
 
         raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
-        fn = _torch_compile(raw, dynamic=True)
+        # inductor keeps a fused kernel's intermediates in float32 and skips casts to float16/bfloat16
+        # unless told to emulate them; Kahan summation reads back the rounded parameters, and every
+        # low-precision store should round as the eager rule does
+        options = {"emulate_precision_casts": True} if _emulates_casts() else None
+        fn = _torch_compile(raw, dynamic=True, options=options) if options else _torch_compile(raw, dynamic=True)
         fn._dml_code = raw.__code__
         _KERNELS[key] = fn
     return fn
+
+
+def _emulates_casts() -> bool:
+    """Inductor can round intermediate low-precision casts (``emulate_precision_casts``, torch >= 2.5)."""
+    try:
+        import torch._inductor.config as config
+    except ImportError:  # pragma: no cover - builds without inductor
+        return False
+    return hasattr(config, "emulate_precision_casts")
 
 
 def clear_cache() -> None:
@@ -304,6 +317,9 @@ class KernelRunner:
         key = self.key(group, flat)
         if finite is not None:
             key = key[:4] + (True,) + key[5:]
+        if key[6] and not _emulates_casts():
+            _BROKEN[key] = (f"Kahan summation needs inductor to round its float16/bfloat16 casts "
+                            f"(emulate_precision_casts, torch >= 2.5; this is torch {torch.__version__})")
         if key in _BROKEN:
             fall_back(opt, flat.device, _BROKEN[key])
             return False

@@ -300,6 +300,13 @@ def _axpy_(x: torch.Tensor, y: torch.Tensor, c: Scalar) -> torch.Tensor:
     return x.add_(y, alpha=c)
 
 
+def _add_(x: torch.Tensor, c: Scalar) -> torch.Tensor:
+    """``x += c`` (one op, skipped when ``c`` is the number 0)."""
+    if isinstance(c, torch.Tensor) or c != 0:
+        x.add_(c)
+    return x
+
+
 def _scale_(x: torch.Tensor, c: Scalar) -> torch.Tensor:
     """``x *= c`` (one op, skipped when ``c`` is the number 1)."""
     if isinstance(c, torch.Tensor) or c != 1:
@@ -348,7 +355,7 @@ def adagrad_(
     """
     g_reg = _regularized(x, g, norm_coefficient, scratch)
     h.addcmul_(g_reg, g_reg)
-    den = torch.sqrt(h, out=scratch2 if g_reg is scratch else scratch).add_(epsilon)
+    den = _add_(torch.sqrt(h, out=scratch2 if g_reg is scratch else scratch), epsilon)
     _add_ratio_(x, g_reg, den, -rate if not isinstance(rate, torch.Tensor) else rate.neg())
 
 
@@ -420,7 +427,7 @@ def adam_(
     _add_square_(h, g_reg, 1 - beta, scratch if g_reg is not scratch else scratch2)
     if h_max is not None:
         h = torch.maximum(h_max, h, out=h_max)
-    den = torch.sqrt(h, out=scratch).add_(epsilon)
+    den = _add_(torch.sqrt(h, out=scratch), epsilon)
     _add_ratio_(x, v, den, step_size.neg() if isinstance(step_size, torch.Tensor) else -step_size)
     _scale_(x, 1 - norm_coefficient_post)
 

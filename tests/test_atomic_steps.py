@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import dml_optim.functional
-import dml_optim.optimizers.base as base
+import dml_optim.optimizers.engine as engine
 from dml_optim import Adagrad, Adam, DmlAdam, Momentum
 from test_bad_inputs import assert_same, make_params, new_grads, snapshot
 from introspect import buffers, runs_in_chunks
@@ -96,7 +96,7 @@ def runs_world(cls, **kw):
 
 def chunked_world(cls, monkeypatch, **kw):
     """float16 parameters, float32 compute: the rule runs over 8-element chunks."""
-    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 8)
+    monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 8)
     ps = make_params(shapes=((5, 6), (7,)), dtype=torch.float16)
     opt = cls(ps, lr=0.01, compute_dtype=torch.float32, state_dtype=torch.float32, **kw)
     opt.step()

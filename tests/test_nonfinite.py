@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import dml_optim.optimizers.base as base
+import dml_optim.optimizers.engine as engine
 from dml_optim import Adagrad, Adam, DmlAdam, Momentum
 from test_bad_inputs import assert_same, snapshot
 from introspect import buffers, runs_in_chunks
@@ -226,7 +226,7 @@ def test_skip_is_one_decision_for_every_skip_buffer():
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
 def test_skip_in_chunked_precision_mode(cls, monkeypatch):
     """float16 storage, float32 compute over 4-element chunks; the inf sits in the last chunk."""
-    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 4)
+    monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 4)
     stream = grad_stream(4, torch.float16)
     bad_stream = [stream[0], with_bad(stream[1], which=2, index=3), stream[2], stream[3]]
     kw = dict(nonfinite="skip", compute_dtype=torch.float32, state_dtype=torch.float32)
@@ -309,7 +309,7 @@ def test_raise_costs_one_host_sync_per_step_and_propagate_none():
 
 
 def test_raise_in_chunked_mode(monkeypatch):
-    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 4)
+    monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 4)
     stream = grad_stream(2, torch.float16)
     ps, opt = build(Adam, torch.float16, nonfinite="raise", compute_dtype=torch.float32)
     feed(ps, opt, stream[0])

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dml_optim
-import dml_optim.optimizers.base as base
+import dml_optim.optimizers.engine as engine
 from dml_optim import precision as P
 from tolerances import TOL
 from introspect import buffers, runs_in_chunks
@@ -184,9 +184,9 @@ def _fp16_run(name: str, numel: int, steps: int, **options):
 @pytest.mark.parametrize("name", ["adam", "dml-adam", "adagrad", "momentum"])
 def test_chunked_fp32_compute_equals_unchunked_exactly(monkeypatch, name):
     numel = 5000
-    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 1 << 30)
+    monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 1 << 30)
     _, whole = _fp16_run(name, numel, 4, compute_dtype=torch.float32)
-    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 1000)
     flat, chunked = _fp16_run(name, numel, 4, compute_dtype=torch.float32)
     for a, b in zip(whole, chunked):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # bit-exact

@@ -60,7 +60,7 @@ class ParamStateView(dict):
             counts[i] = int(count)
             flat.counter.set_counts(counts)
         elif key in names or (key in EXTRA_STATES and extras[key] is not None):
-            shape = local_tensor(flat.params[i]).shape
+            shape = flat.shapes[i]
             value_local = local_tensor(value) if isinstance(value, torch.Tensor) else value
             if not isinstance(value_local, torch.Tensor) or value_local.shape != shape:
                 got = tuple(value_local.shape) if isinstance(value_local, torch.Tensor) else type(value).__name__

@@ -67,7 +67,7 @@ class AdamW(FlatOptimizer):
             "AdamW",
             aliases=(betas_alias("beta1", "beta2"),),
             same=("eps", "weight_decay", "amsgrad", "maximize"),
-            flags=("decoupled_weight_decay",),
+            flags=(),  # amsgrad and maximize are ours; decoupled_weight_decay: see checkpoint_refusal
         ),
         default_lr=1e-3,
         train_lr=3e-3,

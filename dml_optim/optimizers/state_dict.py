@@ -94,7 +94,7 @@ def param_state(opt, flat: FlatBuffer, i: int, count: int) -> dict[str, Any]:
     p = flat.params[i]
     state: dict[str, Any] = {"step": torch.tensor(float(count), dtype=torch.float64)}  # exact to 2**53
     a, b = flat.segment(i, i + 1)
-    shape = local_tensor(p).shape
+    shape = flat.shapes[i]
     for name, t in flat.states.items():
         state[name] = _as_param_layout(t[a:b].view(shape), p)
     for name, t in zip(EXTRA_STATES, (flat.master, flat.kahan)):

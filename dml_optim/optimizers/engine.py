@@ -1,0 +1,269 @@
+"""Running a flat optimizer's rule over its buffers: planning, committing, precision.
+
+:class:`EngineMixin` (a part of :class:`~dml_optim.optimizers.base.FlatOptimizer`)
+takes the buffers :mod:`~dml_optim.optimizers.layout` prepared and runs the
+update:
+
+* **plan** (:meth:`EngineMixin._run`): for each class of parameters that
+  step together, the step limit is checked and, when the host knows the
+  count and the step is not gated, the rule's scalars are computed on the
+  host as Python numbers (range-checked against the compute dtype): no
+  device op, no sync;
+* **commit** (:meth:`EngineMixin._commit`): only kernels run: the compiled
+  kernel (one per class) or the eager rule, with counts on the host or on the
+  device (gated steps, ``capturable``); ``atomic=True`` snapshots first and
+  rolls back a failure; then the host bookkeeping (step classes) advances;
+* **precision** (``state_dtype``, ``compute_dtype``, ``master_weights``,
+  ``kahan``): the dtype rules, and the eager rule run over bounded chunks
+  through preallocated scratch when operands are converted
+  (:func:`dml_optim.update.run_rule`);
+* **non-finite gradients**: one device-side reduction per buffer
+  (``nonfinite="skip"`` gates the step on it; ``"raise"`` reads it: one sync).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from dml_optim.flat import FlatBuffer, StepClass, describe_param
+from dml_optim.options import CHUNK_ELEMENTS, LOW_PRECISION_DTYPES
+from dml_optim.update import coefficient_dtype, conversion_count, run_rule, step_scalars
+
+__all__ = ["EngineMixin"]
+
+
+class EngineMixin:
+    """The running half of a flat optimizer (see the module docstring)."""
+
+    @staticmethod
+    def _precision(group) -> tuple:
+        return (group["state_dtype"], group["compute_dtype"], group["master_weights"], group["kahan"])
+
+    @classmethod
+    def _master_dtype(cls, group, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the master copy (``master_weights=True``): the compute dtype, at least FP32."""
+        cdtype = cls._compute_dtype(group, dtype)
+        return torch.float32 if cdtype in LOW_PRECISION_DTYPES else cdtype
+
+    @staticmethod
+    def _state_dtype(group, dtype: torch.dtype) -> torch.dtype:
+        """States are FP32 with master weights or Kahan unless ``state_dtype`` says otherwise."""
+        if group["state_dtype"] is not None:
+            return group["state_dtype"]
+        return torch.float32 if group["master_weights"] or group["kahan"] else dtype
+
+    @classmethod
+    def _compute_dtype(cls, group, dtype: torch.dtype) -> torch.dtype:
+        """Arithmetic dtype: ``compute_dtype``, else FP32 (at least) with master weights or Kahan, else the parameters'."""
+        if group["compute_dtype"] is not None:
+            return group["compute_dtype"]
+        if group["master_weights"] or group["kahan"]:
+            sdtype = cls._state_dtype(group, dtype)
+            return torch.float32 if sdtype in LOW_PRECISION_DTYPES else sdtype
+        return dtype
+
+    def _converts(self, group, flat: FlatBuffer) -> bool:
+        """The eager rule needs converted operands (it then runs in chunks)."""
+        cdtype = self._compute_dtype(group, flat.dtype)
+        x_dtype = flat.master.dtype if flat.master is not None else flat.dtype
+        return (group["kahan"] or x_dtype != cdtype or flat.dtype != cdtype
+                or any(s.dtype != cdtype for s in flat.states.values()))
+
+    def _ensure_state(self, group, flat: FlatBuffer) -> None:
+        """Allocate flat states, master copy and compensation buffer (first step, or after a re-pack)."""
+        names = type(self).group_state_names(group)
+        if flat.precision is not None and all(n in flat.states for n in names):
+            return
+        flat.precision = self._precision(group)
+        sdtype = self._state_dtype(group, flat.dtype)
+        with torch.no_grad():
+            for name in names:
+                if name not in flat.states:
+                    flat.states[name] = torch.zeros(flat.numel, dtype=sdtype, device=flat.device)
+            if group["master_weights"] and flat.master is None:
+                flat.master = flat.data.to(self._master_dtype(group, flat.dtype))
+            if group["kahan"] and flat.kahan is None:
+                flat.kahan = torch.zeros(flat.numel, dtype=flat.dtype, device=flat.device)
+        flat.scratch = []
+
+    def _ensure_scratch(self, group, flat: FlatBuffer, gated: bool, compiled: bool) -> None:
+        """Scratch for the eager rule: full size, or one chunk when it converts; none for a compiled
+        buffer (the fused kernel needs none; an eager call on it, under a dispatch mode, allocates)."""
+        if compiled:
+            flat.scratch = []
+            return
+        converts = self._converts(group, flat)
+        size = min(flat.numel, CHUNK_ELEMENTS) if converts else flat.numel
+        count = type(self).scratch_count(group, gated)
+        count += conversion_count(converts, group["kahan"], len(flat.states))
+        if len(flat.scratch) == count and all(len(s) == size for s in flat.scratch):
+            return
+        cdtype = self._compute_dtype(group, flat.dtype)
+        flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(count)]
+
+    @staticmethod
+    def _finite(flat: FlatBuffer) -> torch.Tensor:
+        """0-d bool on the device: every gradient element is finite (one reduction, no host sync).
+
+        ``max |g| < inf`` is false for an inf and for a NaN (the max propagates NaN).
+        """
+        if flat.numel == 0:
+            return torch.ones((), dtype=torch.bool, device=flat.device)
+        return torch.linalg.vector_norm(flat.grad, float("inf")) < math.inf
+
+    def _all_finite(self, flats: list[FlatBuffer]) -> torch.Tensor | None:
+        """0-d bool on the first buffer's device: every gradient of ``flats`` is finite (None for none)."""
+        finite = None
+        for flat in flats:
+            ok = self._finite(flat)
+            finite = ok if finite is None else finite.logical_and_(ok.to(finite.device))
+        return finite
+
+    def _raise_if_nonfinite(self, flats: list[FlatBuffer]) -> None:
+        """``nonfinite="raise"``: one host sync per step; names the offending parameters."""
+        finite = self._all_finite(flats)
+        if finite is None or bool(finite):
+            return
+        bad = []
+        for gi, layout in enumerate(self._layout):
+            for flat in layout.buffers:
+                if any(flat is f for f in flats):
+                    bad += [describe_param(p, idx, gi) for p, idx, g in zip(flat.params, flat.indices, flat.grad_views)
+                            if p.grad is not None and not bool(torch.isfinite(g).all())]
+        raise FloatingPointError(f"non-finite gradient (inf or nan) in {', '.join(bad)}; nothing was updated")
+
+    def _run(self, work, gate: Callable[[dict, FlatBuffer], torch.Tensor | None]) -> None:
+        """Plan every class update (checks and host coefficients), then commit them."""
+        from dml_optim.backends import resolved_backend, runner_for
+
+        cls = type(self)
+        planned = []
+        for group, flat in work:
+            finite = gate(group, flat)
+            runner = runner_for(self, group, flat)
+            self._ensure_scratch(group, flat, finite is not None, resolved_backend(self, group, flat) == "compiled")
+            for c in flat.counter.classes:
+                if not c.active:
+                    continue
+                scalars = None  # host scalars whenever the host knows the count (also a declined runner's fallback)
+                if c.count is not None:
+                    if c.count + 1 > cls.max_step:
+                        raise OverflowError(
+                            f"{cls.__name__}: this would be step {c.count + 1} of a parameter, beyond the "
+                            f"{cls.max_step} steps it can count ({cls.max_step_reason}); nothing was updated")
+                    if finite is None and not group["capturable"]:
+                        scalars = step_scalars(cls, group, c.count, None)
+                        self._check_range(group, flat, scalars)
+                planned.append((group, flat, c, finite, runner, scalars))
+        self._commit(work, planned)
+
+    def _check_range(self, group, flat: FlatBuffer, scalars: dict[str, Any]) -> None:
+        """Refuse per-step scalars the compute dtype cannot hold (before any write)."""
+        cdtype = self._compute_dtype(group, flat.dtype)
+        limit = torch.finfo(cdtype).max
+        for name, value in scalars.items():
+            if isinstance(value, float) and abs(value) > limit:
+                raise ValueError(f"{name}={value!r} (from the hyperparameters of this param group) is beyond the "
+                                 f"range of {cdtype} (max {limit:g}); nothing was updated")
+
+    def _commit(self, work, planned) -> None:
+        """Run the planned updates; then advance the host bookkeeping.
+
+        Only kernels run here.  If one raises (a device fault, an interrupt, an
+        injected failure), an optimizer built with ``atomic=True`` restores
+        parameters, states and counters from a snapshot taken before the first
+        write; otherwise the exception gets a note naming what may have been
+        partially updated.
+        """
+        snapshot = self._snapshot(work) if self.atomic else None
+        done = 0
+        try:
+            for group, flat, c, finite, runner, scalars in planned:
+                if runner is None or not runner(group, flat, c, finite):
+                    self._apply_eager(group, flat, c, finite, scalars)
+                done += 1
+            for _, flat in work:
+                if flat.staged:
+                    flat.stage_out()
+        except BaseException as exc:
+            if snapshot is not None:
+                for dst, src in snapshot:
+                    dst.copy_(src)
+            elif hasattr(exc, "add_note"):
+                exc.add_note(
+                    f"dml_optim: {type(self).__name__}.step() failed while writing (after {done} of {len(planned)} "
+                    "updates had finished); parameters and states may be partially updated. Restore a checkpoint, "
+                    "or construct the optimizer with atomic=True to roll failed steps back."
+                )
+            raise
+        for group, flat in work:
+            gated = group["capturable"] or any(f is not None for g, fl, _, f, _, _ in planned if fl is flat)
+            flat.counter.advance(gated)
+            if group["capturable"]:
+                flat.counter.forget_host_counts()
+
+    def _snapshot(self, work) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of everything a commit writes (``atomic=True`` only)."""
+        tensors = []
+        for _, flat in work:
+            tensors += flat.tensors()
+            tensors += [c.tensor for c in flat.counter.classes if c.tensor is not None]
+        return [(t, t.clone()) for t in tensors]
+
+    def _apply_eager(self, group, flat: FlatBuffer, c: StepClass, finite, scalars) -> None:
+        """The eager rule over one class, with counts on the host (``scalars`` given) or on the device."""
+        cls = type(self)
+        if scalars is None:  # counts on the device: the scalars are computed there
+            if c.tensor is None:
+                flat.counter.ensure_tensors(flat.device)
+            scalars = step_scalars(cls, group, c.tensor, finite, coefficient_dtype(flat.device))
+        start, end = flat.segment(c.first, c.stop)
+        self._apply_range(group, flat, start, end, scalars, finite)
+        if c.tensor is not None:
+            if c.count is not None and finite is None and not group["capturable"]:
+                c.tensor = None  # the host count advances; a stale device mirror is dropped
+            else:
+                c.tensor.add_(finite.long() if finite is not None else 1)
+
+    def _apply_range(self, group, flat: FlatBuffer, start: int, end: int, scalars, finite) -> None:
+        """The rule over elements ``[start, end)``, chunked when operands are converted."""
+        cls = type(self)
+        names = cls.group_state_names(group)
+        x = flat.master if flat.master is not None else flat.data
+        out = flat.data if flat.master is not None else None
+        cdtype = self._compute_dtype(group, flat.dtype)
+        n_rule = cls.scratch_count(group, finite is not None)
+        rule_scratch, conversions = flat.scratch[:n_rule], flat.scratch[n_rule:]
+        scratch_full = bool(flat.scratch) and len(flat.scratch[0]) >= flat.numel
+        if not self._converts(group, flat):
+            pad = [None] * (cls.scratch_slots - (len(rule_scratch) if scratch_full else 0))
+            if start == 0 and end == flat.numel:  # the common case: the whole buffer, no view op
+                scratch = (rule_scratch if scratch_full else []) + pad
+                if finite is None:
+                    cls.rule(x, flat.grad, *[flat.states[n] for n in names], scratch=scratch, **scalars)
+                else:
+                    run_rule(cls, x, flat.grad, [flat.states[n] for n in names], scalars, compute_dtype=cdtype,
+                             finite=finite, scratch=scratch)
+                return
+            scratch = ([s[start:end] for s in rule_scratch] if scratch_full else []) + pad
+            run_rule(cls, x[start:end], flat.grad[start:end], [flat.states[n][start:end] for n in names], scalars,
+                     compute_dtype=cdtype, finite=finite, scratch=scratch)
+            return
+        chunk = len(flat.scratch[0]) if flat.scratch and len(flat.scratch[0]) else CHUNK_ELEMENTS
+        for a in range(start, end, chunk):
+            b = min(a + chunk, end)
+            k = b - a
+            run_rule(cls, x[a:b], flat.grad[a:b], [flat.states[n][a:b] for n in names], scalars,
+                     compute_dtype=cdtype, finite=finite, params_out=out[a:b] if out is not None else None,
+                     comp=flat.kahan[a:b] if flat.kahan is not None else None,
+                     buffers=[t[:k] for t in conversions] if conversions else None,
+                     scratch=[s[:k] for s in rule_scratch] + [None] * (cls.scratch_slots - len(rule_scratch)))
+
+    def _unscale(self, work, inv_scale: torch.Tensor) -> torch.Tensor:
+        """Unscale the gradients of ``work``; 0-d bool: all of them are finite."""
+        for _, flat in work:
+            flat.grad.mul_(inv_scale.to(flat.device))
+        return self._all_finite([flat for _, flat in work])

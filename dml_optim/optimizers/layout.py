@@ -1,0 +1,296 @@
+"""How a flat optimizer's parameters map to flat buffers, and stay mapped.
+
+:class:`LayoutMixin` (a part of :class:`~dml_optim.optimizers.base.FlatOptimizer`)
+owns the layout of each param group (:class:`GroupLayout`): which parameters
+are packed into which :class:`~dml_optim.flat.FlatBuffer` (the trainable
+ones, one buffer per device and dtype) and which are frozen and left out.
+
+Every step starts here (:meth:`LayoutMixin._prepare`), in two phases:
+
+1. **plan** (:meth:`LayoutMixin._plan`, nothing is written): the group's
+   settings are synced with torch's names and validated (skipped while they
+   are unchanged since the last step); each buffer's bindings are checked
+   (:meth:`FlatBuffer.check`) and, only if something changed, diagnosed per
+   parameter: foreign gradients are checked, re-bound parameters are
+   classified (adopted in place; followed to a new device or dtype by a
+   re-pack; a changed shape refused, naming the parameter);
+2. **bind** (:meth:`LayoutMixin._bind`): re-packs and adoptions happen,
+   parameters that step together are made contiguous, foreign gradients are
+   gathered (one ``cat`` per contiguous run) and the slots of ``None``
+   gradients zeroed.
+
+:meth:`LayoutMixin._follow` does the layout part alone for ``zero_grad``,
+``state_dict`` and ``load_state_dict``, so those follow moved parameters too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from dml_optim.flat import Binding, FlatBuffer, _runs, describe_param, group_key, local_tensor
+from dml_optim.functional import check_like
+from dml_optim.optimizers.spec import sync_group
+
+__all__ = ["LayoutMixin", "GroupLayout"]
+
+
+@dataclass
+class GroupLayout:
+    """The packed form of one param group."""
+
+    buffers: list[FlatBuffer]
+    frozen: list[int]  # indices (in the group's params) of parameters not packed (requires_grad=False)
+    synced: dict  # torch-name snapshot (spec.sync_group)
+    checked: tuple | None = None  # the group's items when last validated: unchanged means valid
+
+
+def _items(group: dict) -> tuple:
+    """A group's settings as a comparable tuple (``params`` left out)."""
+    return tuple((k, type(v), v) for k, v in group.items() if k != "params")  # True == 1.0: types count
+
+
+def _unchanged(group: dict, checked: tuple | None) -> bool:
+    if checked is None:
+        return False
+    try:
+        return bool(_items(group) == checked)
+    except (RuntimeError, TypeError):  # a tensor value compared element-wise: revalidate
+        return False
+
+
+
+@dataclass
+class _Plan:
+    """What one group's step will do (computed without writing anything)."""
+
+    candidate: dict | None  # the validated settings to write back (None: unchanged since the last step)
+    synced: dict
+    bindings: list[Binding | None]  # per buffer; None: clean
+    repack: bool
+
+
+class LayoutMixin:
+    """The layout half of a flat optimizer (see the module docstring)."""
+
+    def _via_host(self, device: torch.device) -> bool:
+        return self.pack_via == "host" or (self.pack_via == "auto" and device.type not in ("cpu", "meta"))
+
+    def _pack(self, group: dict[str, Any], indices: Sequence[int]) -> list[FlatBuffer]:
+        by_key: dict[tuple, list[int]] = {}
+        for i in indices:
+            by_key.setdefault(group_key(group["params"][i]), []).append(i)
+        buffers = []
+        for key_indices in by_key.values():
+            params = [group["params"][i] for i in key_indices]
+            buffers.append(FlatBuffer(params, key_indices, via_host=self._via_host(local_tensor(params[0]).device)))
+        return buffers
+
+    def _prepare(self) -> list[tuple[dict, FlatBuffer]]:
+        """Validate every group, then bring bindings up to date and allocate states.
+
+        Raises before any parameter or state is written.  Returns the buffers
+        that have at least one gradient.
+        """
+        plans = [self._plan(gi, group) for gi, group in enumerate(self.param_groups)]
+        work = []
+        for gi, (group, plan) in enumerate(zip(self.param_groups, plans)):
+            layout = self._layout[gi]
+            if plan.candidate is not None:
+                group.update(plan.candidate)
+                layout.synced = plan.synced
+                layout.checked = _items(group)
+            if plan.repack:
+                self._repack_group(gi)
+                bindings = [flat.diagnose() for flat in layout.buffers]
+            else:
+                bindings = plan.bindings
+            for flat, binding in zip(layout.buffers, bindings):
+                active = self._bind(flat, binding)
+                if active is not None and not any(active):
+                    continue
+                self._ensure_state(group, flat)
+                work.append((group, flat))
+        return work
+
+    def _plan(self, gi: int, group: dict[str, Any]) -> _Plan:
+        """Everything a group's step needs to know, without writing anything."""
+        layout = self._layout[gi]
+        if _unchanged(group, layout.checked):
+            candidate, synced, settings = None, layout.synced, group
+        else:
+            candidate = {k: v for k, v in group.items() if k != "params"}
+            candidate["params"] = group["params"]
+            synced = sync_group(type(self).spec, candidate, layout.synced, f"param_groups[{gi}]")
+            self._check_group(candidate, gi)
+            del candidate["params"]
+            settings = candidate
+            floats = {h.name: candidate[h.name] for h in type(self).spec.hyperparameters if h.kind == "float"}
+            for flat in layout.buffers:
+                self._check_range(candidate, flat, floats)
+        repack = bool(layout.frozen) and any(group["params"][i].requires_grad for i in layout.frozen)
+        bindings: list[Binding | None] = []
+        full = self.checks == "full"
+        for flat in layout.buffers:
+            if flat.precision is not None and flat.precision != self._precision(settings):
+                old, new = flat.precision, self._precision(settings)
+                names = ("state_dtype", "compute_dtype", "master_weights", "kahan")
+                changed = [f"{k} from {a} to {b}" for k, a, b in zip(names, old, new) if a != b]
+                raise ValueError(f"param_groups[{gi}]: {', '.join(changed)} after the states were allocated is not "
+                                 "supported; build a new optimizer with the new options and load_state_dict() into it")
+            if flat.check(full):
+                bindings.append(None)
+                continue
+            binding = flat.diagnose()
+            for i in binding.foreign:
+                self._check_grad(flat, i, gi)
+            for i in binding.rebound:
+                repack |= self._check_rebound(flat, i, gi)
+            bindings.append(binding)
+        if repack:
+            for i in layout.frozen:
+                p = group["params"][i]
+                if p.requires_grad:
+                    self._check_param(p, i, gi)
+        return _Plan(candidate, synced, bindings, repack)
+
+    def _check_grad(self, flat: FlatBuffer, i: int, gi: int) -> None:
+        p = flat.params[i]
+        grad = p.grad
+        where = describe_param(p, flat.indices[i], gi)
+        if grad.is_sparse:
+            raise TypeError(f"grad of {where} is sparse; dml_optim supports dense gradients only")
+        check_like(f"grad of {where}", local_tensor(grad), "the parameter", local_tensor(p))
+
+    def _check_rebound(self, flat: FlatBuffer, i: int, gi: int) -> bool:
+        """A re-bound parameter: can it be followed?  Returns True when the group must be re-packed."""
+        p = flat.params[i]
+        t = local_tensor(p)
+        shape = flat.shapes[i]
+        where = describe_param(p, flat.indices[i], gi)
+        if t.shape != shape:
+            raise RuntimeError(f"{where} was re-bound to a tensor of another shape (it was {tuple(shape)}) after the "
+                               "optimizer was created; dml_optim follows moves and casts, not reshapes: create the "
+                               "optimizer after changing the model")
+        if t.dtype not in type(self).dtypes:
+            self._check_param(p, flat.indices[i], gi)
+        return t.dtype != flat.dtype or t.device != flat.device or not flat.owned
+
+    def _bind(self, flat: FlatBuffer, binding: Binding | None) -> list[bool] | None:
+        """Adopt re-bound parameters, order the step classes, gather foreign gradients.
+
+        Parameters that step together are made contiguous first (a re-pack,
+        when ``None`` gradients left a class in pieces), so that gathering and
+        zeroing then cost one op per contiguous run.  Returns which parameters
+        have a gradient (None: all of them).
+        """
+        active = foreign = None
+        if binding is not None:
+            if binding.rebound:
+                flat.adopt_params(binding.rebound)
+            active, foreign = binding.active, binding.foreign
+        if flat.staged:
+            flat.stage_in()
+        counter = flat.counter
+        if active is not None and not any(active):
+            return active
+        if active is None and len(counter.classes) == 1:
+            counter.classes[0].active = True
+        else:
+            counter.split(active)
+            order = counter.order()
+            if order is not None and flat.owned:
+                flat.permute(order)
+                where = {i: pos for pos, i in enumerate(order)}
+                foreign = [where[i] for i in foreign] if foreign else foreign
+                if active is not None:
+                    permuted = [False] * len(active)
+                    for i, a in enumerate(active):
+                        permuted[where[i]] = a
+                    active = permuted
+        if foreign:
+            flat.gather_grads(foreign)
+        if active is not None:  # slots of None gradients may hold an old gradient (inf included)
+            inactive = [i for c in counter.classes if not c.active for i in range(c.first, c.stop)]
+            for first, stop in _runs(inactive):
+                a, b = flat.segment(first, stop)
+                flat.ensure_grad()[a:b].zero_()
+        return active
+
+    def _repack_group(self, gi: int, include: set[int] = frozenset()) -> None:
+        """Rebuild a group's buffers for its parameters' current devices, dtypes and trainability.
+
+        Existing state is carried over per parameter (cast to the new state
+        dtype, moved to the new device, as ``load_state_dict`` does); newly
+        trainable parameters start with fresh state, as torch.optim gives them.
+        """
+        group = self.param_groups[gi]
+        layout = self._layout[gi]
+        carried: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
+        for flat in layout.buffers:
+            counts = flat.counter.counts()
+            sources = {name: flat.views(t) for name, t in flat.states.items()}
+            if flat.master is not None:
+                sources["master_param"] = flat.views(flat.master)
+            if flat.kahan is not None:
+                sources["kahan_comp"] = flat.views(flat.kahan)
+            for i, gindex in enumerate(flat.indices):
+                carried[gindex] = ({k: v[i] for k, v in sources.items()}, counts[i])
+        members = sorted(set(carried) | {i for i in layout.frozen if group["params"][i].requires_grad or i in include})
+        layout.frozen = [i for i in range(len(group["params"])) if i not in set(members)]
+        old = layout.buffers
+        layout.buffers = self._pack(group, members)
+        for flat in layout.buffers:  # (the new buffers gathered the existing gradients when packing)
+            if not any(gi_ in carried for gi_ in flat.indices):
+                continue
+            self._ensure_state(group, flat)
+            counts = []
+            with torch.no_grad():
+                for i, gindex in enumerate(flat.indices):
+                    states, count = carried.get(gindex, ({}, 0))
+                    counts.append(count)
+                    for name, src in states.items():
+                        dst = {"master_param": flat.master, "kahan_comp": flat.kahan}.get(name, flat.states.get(name))
+                        if dst is not None:
+                            a, b = flat.segment(i, i + 1)
+                            dst[a:b].copy_(src.reshape(-1))
+            flat.counter.set_counts(counts)
+        del old
+
+    def _follow(self) -> None:
+        """Re-pack groups whose parameters were moved, cast or unfrozen (``zero_grad``, ``state_dict``, loads)."""
+        full = self.checks == "full"
+        for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):
+            repack = bool(layout.frozen) and any(group["params"][i].requires_grad for i in layout.frozen)
+            moved = [(flat, flat.rebound()) for flat in layout.buffers if flat.moved(full)]
+            for flat, rebound in moved:
+                for i in rebound:
+                    repack |= self._check_rebound(flat, i, gi)
+            if repack:
+                self._repack_group(gi)
+            else:
+                for flat, rebound in moved:
+                    if rebound:
+                        flat.adopt_params(rebound)
+
+    def _include(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Pack the frozen parameters among ``keys`` (``(group, index)``): they are getting state."""
+        for gi in sorted({gi for gi, pi in keys if pi in self._layout[gi].frozen}):
+            self._repack_group(gi, include={pi for g, pi in keys if g == gi})
+
+    def _buffers_of(self, gi: int) -> list[FlatBuffer]:
+        return self._layout[gi].buffers
+
+    def _locate(self, p) -> tuple[int, FlatBuffer | None, int]:
+        """``(group index, buffer or None, position)`` of parameter ``p`` (buffer None: frozen)."""
+        for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):
+            for flat in layout.buffers:
+                for i, q in enumerate(flat.params):
+                    if q is p:
+                        return gi, flat, i
+            for i in layout.frozen:
+                if group["params"][i] is p:
+                    return gi, None, i
+        raise KeyError(f"not a parameter of this optimizer: tensor of shape {tuple(getattr(p, 'shape', ()))}")
