@@ -28,26 +28,23 @@ parameter.  Parameters that are distributed tensors (``DTensor``, FSDP2) are
 *staged*: the buffer is a working copy of their local shards, copied in and
 out around each step (:attr:`FlatBuffer.staged`).
 
-Step counts.  :class:`StepCounter` keeps the completed steps of a buffer's
-parameters as *classes*: runs of parameters (in buffer order) that have
-stepped together.  While every parameter steps every step there is one class
-and one counter; ``None`` gradients split classes, and a re-pack
-(:meth:`FlatBuffer.permute`) makes each class contiguous again, so a step runs
-the rule once per distinct step count, not once per run of parameters.
+Step counts live in a :class:`~dml_optim.steps.StepCounter` per buffer;
+:meth:`FlatBuffer.permute` re-packs the buffer when ``None`` gradients left a
+class of parameters that step together in pieces.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Hashable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
+from dml_optim.steps import StepCounter
+
 __all__ = [
     "FlatBuffer",
-    "StepCounter",
-    "StepClass",
     "Binding",
     "group_key",
     "describe_param",
@@ -139,177 +136,6 @@ def pack_values(sources: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
             for t, original in zip(rebind, originals):
                 t.data = original
         raise
-
-
-# -- step counts --------------------------------------------------------------------------
-
-
-@dataclass
-class StepClass:
-    """Parameters ``[first, stop)`` of a buffer that have stepped together.
-
-    ``count``: their completed steps, known on the host (None once a gated
-    step may or may not have happened: only the device knows).  ``tensor``:
-    the same count as a 0-d int64 on the buffer's device, when kernels read it
-    there (compiled backend, gated steps, ``capturable``).  ``key``: identity
-    for merging (equal keys mean equal counts).  ``active``: has a gradient in
-    the step being planned.
-    """
-
-    first: int
-    stop: int
-    count: int | None
-    key: Hashable
-    tensor: torch.Tensor | None = None
-    active: bool = True
-
-
-class StepCounter:
-    """Completed-step counts of one buffer's parameters, as :class:`StepClass` runs in buffer order."""
-
-    __slots__ = ("classes", "_next_id")
-
-    def __init__(self, n: int, count: int = 0):
-        self.classes: list[StepClass] = [StepClass(0, n, count, ("n", count))]
-        self._next_id = 0
-
-    # -- reading -------------------------------------------------------------------
-
-    @property
-    def known(self) -> bool:
-        """Every count is known on the host (no gated step happened since the last load)."""
-        return all(c.count is not None for c in self.classes)
-
-    def counts(self) -> list[int]:
-        """Per-parameter completed steps (reads device counters: a host sync if unknown on the host)."""
-        out: list[int] = []
-        for c in self.classes:
-            n = c.count if c.count is not None else int(c.tensor.item())
-            out.extend([n] * (c.stop - c.first))
-        return out
-
-    def max_count(self) -> int:
-        return max((c.count if c.count is not None else int(c.tensor.item())) for c in self.classes) if self.classes else 0
-
-    # -- writing -------------------------------------------------------------------
-
-    def set_counts(self, counts: Sequence[int], device: torch.device | None = None) -> None:
-        """Replace every count (a load); ``device``: also keep device counters there."""
-        classes: list[StepClass] = []
-        for i, n in enumerate(counts):
-            if classes and classes[-1].count == n:
-                classes[-1].stop = i + 1
-            else:
-                classes.append(StepClass(i, i + 1, int(n), ("n", int(n))))
-        if not classes:
-            classes = [StepClass(0, 0, 0, ("n", 0))]
-        self.classes = classes
-        if device is not None:
-            self.ensure_tensors(device)
-
-    def ensure_tensors(self, device: torch.device) -> None:
-        """Give every class a device counter (one fill each, first time only)."""
-        for c in self.classes:
-            if c.tensor is None:
-                c.tensor = torch.full((), c.count, dtype=torch.int64, device=device)
-
-    def forget_host_counts(self) -> None:
-        """Counts are the device's from now on (``capturable``: replays don't run the host)."""
-        for c in self.classes:
-            if c.count is not None:
-                c.count = None
-                c.key = self._new_key()
-
-    def _new_key(self) -> tuple[str, int]:
-        self._next_id += 1
-        return ("h", self._next_id)
-
-    def split(self, active: Sequence[bool] | None) -> None:
-        """Refine the classes so that none mixes parameters with and without a gradient.
-
-        A class split in two keeps one device counter for its inactive part and
-        a copy for the active part (one op), so the two can then diverge.
-        """
-        if active is None:
-            for c in self.classes:
-                c.active = True
-            return
-        out: list[StepClass] = []
-        for c in self.classes:
-            clones: dict[bool, torch.Tensor | None] = {}
-            start = c.first
-            for i in range(c.first + 1, c.stop + 1):
-                if i == c.stop or active[i] != active[start]:
-                    flag = bool(active[start])
-                    if flag not in clones:
-                        clones[flag] = c.tensor if not clones or c.tensor is None else c.tensor.clone()
-                    out.append(StepClass(start, i, c.count, c.key, clones[flag], flag))
-                    start = i
-        self.classes = out
-
-    def order(self) -> list[int] | None:
-        """A parameter order that makes each (active, key) one contiguous class, or None if it already is."""
-        seen: dict[tuple, int] = {}
-        contiguous = True
-        previous = None
-        for c in self.classes:
-            k = (c.active, c.key)
-            if k in seen and k != previous:
-                contiguous = False
-            seen.setdefault(k, len(seen))
-            previous = k
-        inactive_runs = sum(1 for a, b in zip(self.classes, self.classes[1:] + [None])
-                            if not a.active and (b is None or b.active))
-        if contiguous and inactive_runs <= 1:
-            return None
-        rank = {k: (not k[0], r) for k, r in seen.items()}  # active classes first, inactive ones last
-        ordered = sorted(self.classes, key=lambda c: rank[(c.active, c.key)])
-        return [i for c in ordered for i in range(c.first, c.stop)]
-
-    def permute(self, order: Sequence[int]) -> None:
-        """Re-number the classes after the buffer was re-packed in ``order``."""
-        where = {i: pos for pos, i in enumerate(order)}
-        pieces = sorted(((where[c.first], c) for c in self.classes), key=lambda t: t[0])
-        out: list[StepClass] = []
-        for start, c in pieces:
-            size = c.stop - c.first
-            out.append(StepClass(start, start + size, c.count, c.key, c.tensor, c.active))
-        self.classes = out
-        self.merge()
-
-    def advance(self, gated: bool) -> None:
-        """Host bookkeeping after the kernels of a step ran for every active class.
-
-        ``gated``: the device decided whether the step happened (the active
-        classes' counts become unknown on the host; classes that stepped
-        together keep one identity).  Adjacent classes with equal keys merge.
-        """
-        renamed: dict[Hashable, Hashable] = {}
-        for c in self.classes:
-            if not c.active:
-                continue
-            if gated or c.count is None:
-                if c.key not in renamed:
-                    renamed[c.key] = self._new_key()
-                c.key = renamed[c.key]
-                c.count = None
-            else:
-                c.count += 1
-                c.key = ("n", c.count)
-        self.merge()
-
-    def merge(self) -> None:
-        """Join adjacent classes with the same key and activity (equal counts: one counter)."""
-        out: list[StepClass] = []
-        for c in self.classes:
-            if out and out[-1].key == c.key and out[-1].active == c.active and out[-1].stop == c.first:
-                last = out[-1]
-                last.stop = c.stop
-                if last.tensor is None:
-                    last.tensor = c.tensor
-            else:
-                out.append(c)
-        self.classes = out
 
 
 # -- the buffer ----------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from dml_optim.flat import FlatBuffer, StepClass, describe_param
+from dml_optim.flat import FlatBuffer, describe_param
+from dml_optim.steps import StepClass
 from dml_optim.options import CHUNK_ELEMENTS, LOW_PRECISION_DTYPES
 from dml_optim.update import coefficient_dtype, conversion_count, run_rule, step_scalars
 
