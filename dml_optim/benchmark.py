@@ -50,6 +50,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dml_optim.console import DEFAULT_OUTPUT_DIR
+
 __all__ = [
     "OPTIMIZERS",
     "CANDIDATES",
@@ -98,26 +100,18 @@ class Workload:
 
 
 def workload(name: str) -> Workload:
-    """A workload by name: an inventory of ``shapes/models`` or a synthetic one.
+    """A workload: any model :func:`dml_optim.inventory.resolve_model` accepts.
 
-    Synthetic: ``many-small`` (2,000 x 1,024; the inventory of that name when
-    present), ``many-small-N`` (N x 1,024), ``one-Nm`` / ``one-Nk`` (one
-    tensor of N * 2**20 / N * 2**10 elements; ``one-64m`` is 2**26).
+    A built-in inventory (``resnet50``, ``many-small``: 2,000 x 1,024, ...), a
+    synthetic name (``many-small-N``: N x 1,024; ``one-Nm`` / ``one-Nk``: one
+    tensor of N * 2**20 / N * 2**10 elements, ``one-64m`` is 2**26), or the
+    path of an inventory file.  ``ValueError`` (one line, listing the known
+    names) otherwise.
     """
-    from dml_optim.inventory import builtin_inventories, load_inventory
+    from dml_optim.inventory import resolve_model
 
-    inventories = builtin_inventories()
-    if name in inventories:
-        inv = load_inventory(inventories[name])
-        return Workload(name, tuple(s for _, s in inv.parameters), f"shapes/models/{name}.json")
-    if name == "many-small" or (name.startswith("many-small-") and name[11:].isdigit() and int(name[11:]) > 0):
-        count = 2000 if name == "many-small" else int(name[11:])
-        return Workload(name, ((1024,),) * count, f"synthetic: {count} tensors of 1,024 elements")
-    if name.startswith("one-") and name[-1] in "km" and name[4:-1].isdigit() and int(name[4:-1]) > 0:
-        n = int(name[4:-1]) << (20 if name[-1] == "m" else 10)
-        return Workload(name, ((n,),), f"synthetic: one tensor of {n:,} elements")
-    known = ", ".join(sorted(inventories) + ["many-small", "many-small-N", "one-Nk", "one-Nm"])
-    raise ValueError(f"workload {name!r} is unknown (known: {known}); inventories need a source checkout")
+    inv = resolve_model(name)
+    return Workload(inv.name, tuple(s for _, s in inv.parameters), inv.source)
 
 
 # --------------------------------------------------------------------------
@@ -142,12 +136,10 @@ class _Candidate:
     def optimizer_bytes(self) -> int:
         if self.name.startswith("dml_optim"):
             total = 0
-            for flats in self.opt._flats:
-                for flat in flats:
-                    tensors = list(flat.states.values()) + list(flat.scratch)
-                    if flat.master is not None:
-                        tensors.append(flat.master)
-                    total += sum(t.numel() * t.element_size() for t in tensors)
+            for info in self.opt.flat_buffers():
+                tensors = list(info.states.values()) + list(info.scratch)
+                tensors += [t for t in (info.master, info.kahan) if t is not None]
+                total += sum(t.numel() * t.element_size() for t in tensors)
             return total
         return sum(t.numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
                    if isinstance(t, torch.Tensor))
@@ -230,52 +222,12 @@ class _Triad:
 # --------------------------------------------------------------------------
 
 
-def _is_view(func) -> bool:
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
 def count_ops(step: Callable[[], None]) -> int:
-    """Aten ops that do work (views and profiler markers excluded) in one call of ``step``.
+    """Ops per call of ``step``, as :func:`dml_optim.opcount.count_ops` defines them (views
+    excluded; a compiled kernel call is one op)."""
+    from dml_optim.opcount import count_ops as _count
 
-    A call of a compiled graph (:class:`dml_optim.compiled.CompiledRunner`)
-    counts as one op: inductor emits one fused kernel per rule (checked with
-    ``TORCH_LOGS=output_code``); the host ops around it (coefficient fills)
-    are counted as they run.
-    """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from dml_optim import compiled
-
-    state = {"ops": 0}
-
-    class Counter(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace != "profiler" and not _is_view(func):
-                state["ops"] += 1
-            return func(*args, **(kwargs or {}))
-
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    original = compiled.CompiledRunner._invoke
-    mode_check = compiled._dispatch_mode_active
-
-    def invoke(self, *args, **kwargs):
-        with _disable_current_modes():  # run the real compiled kernel, outside the counter
-            original(self, *args, **kwargs)
-        state["ops"] += 1
-
-    # Under a dispatch mode the runner would run the eager rule (see
-    # compiled._dispatch_mode_active); here the compiled call is counted instead.
-    compiled.CompiledRunner._invoke = invoke
-    compiled._dispatch_mode_active = lambda: False
-    try:
-        with Counter():
-            step()
-    finally:
-        compiled.CompiledRunner._invoke = original
-        compiled._dispatch_mode_active = mode_check
-    return state["ops"]
+    return _count(step, compiled=True)
 
 
 # --------------------------------------------------------------------------
@@ -397,17 +349,18 @@ def run_benchmark(
     workloads: Sequence[str] | None = None,
     dtype: torch.dtype = torch.float32,
     log: Callable[[str], None] = print,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark and return the result document (see ``bench/README.md``)."""
-    dev = torch.device(device)
-    if dev.type == "privateuseone":
-        from dml_optim.dml.device import device as dml_device
+    """Run the benchmark and return the result document (see ``bench/README.md``).
 
-        dev = dml_device()
-        if dev.type != "privateuseone":
-            raise RuntimeError("--device privateuseone: DirectML is not available here (see 'dml-optim info')")
-    elif dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: CUDA is not available in this torch build or machine")
+    ``log(message)`` gets a line when a measurement starts and when a candidate
+    is not available; ``progress(done, total, what)`` is called after each
+    (optimizer, workload) group.  ``ValueError`` naming the value when
+    ``device``, an optimizer or a workload is unusable.
+    """
+    from dml_optim.training import resolve_device
+
+    dev = resolve_device(device)
     optimizers = list(optimizers or OPTIMIZERS)
     for o in optimizers:
         if o not in OPTIMIZERS:
@@ -428,12 +381,14 @@ def run_benchmark(
         "results": [],
         "references": [],
     }
-    for work in works:
-        for optimizer in optimizers:
-            log(f"measuring {optimizer} on {work.name} ({len(work.shapes)} tensors, {work.numel:,} elements) ...")
-            rows, ref = _group(optimizer, work, dev, dtype, settings, log)
-            doc["results"].extend(rows)
-            doc["references"].append(ref)
+    groups = [(work, optimizer) for work in works for optimizer in optimizers]
+    for done, (work, optimizer) in enumerate(groups, 1):
+        log(f"measuring {optimizer} on {work.name} ({len(work.shapes)} tensors, {work.numel:,} elements) ...")
+        rows, ref = _group(optimizer, work, dev, dtype, settings, log)
+        doc["results"].extend(rows)
+        doc["references"].append(ref)
+        if progress is not None:
+            progress(done, len(groups), f"{optimizer} on {work.name}")
     if hasattr(os, "getloadavg"):
         doc["machine"]["loadavg_end"] = list(os.getloadavg())
     doc["targets"] = check_targets(doc)
@@ -549,18 +504,17 @@ def format_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def default_output_path(device: str, root: Path | None = None, *, quick: bool = False) -> Path:
-    """``bench/results/<device>-<UTC date>.json`` (``...-quick.json`` for ``--quick``) under ``root``.
+def default_output_path(device: str, root: Path = DEFAULT_OUTPUT_DIR, *, quick: bool = False) -> Path:
+    """``<root>/bench/<device>-<UTC date>.json`` (``...-quick.json`` for ``--quick``).
 
-    Default root: the source checkout this package runs from (when it has a
-    ``bench/`` folder), else the working directory.
+    ``root`` defaults to :data:`dml_optim.console.DEFAULT_OUTPUT_DIR`
+    (``dml-optim-out``, relative to the working directory).  The repository's
+    recorded results live in ``bench/results/`` and are written there only
+    with an explicit ``--out``.
     """
-    if root is None:
-        checkout = Path(__file__).resolve().parent.parent
-        root = checkout if (checkout / "bench").is_dir() else Path.cwd()
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     suffix = "-quick" if quick else ""
-    return root / "bench" / "results" / f"{device.split(':')[0]}-{date}{suffix}.json"
+    return Path(root) / "bench" / f"{device.split(':')[0]}-{date}{suffix}.json"
 
 
 def write_json(doc: dict[str, Any], path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -21,7 +22,12 @@ COMMANDS = ("train", "info", "validate", "audit", "compare", "bench")
 
 
 class UsageError(Exception):
-    """A bad command-line value found after parsing: one line, exit status 2."""
+    """A bad command-line value found after parsing: one line on stderr, exit status 2.
+
+    Every subcommand raises it for a usage error found after argparse: a bad
+    value, an unusable device, an unknown model, an output path it cannot
+    write.  The message names the argument and the value.
+    """
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,20 +54,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The subcommand's parser (the top-level one without a command)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command that got them: `dml-optim info: error: ...`, like every other error
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2
     try:
         return int(args.run(args) or 0)
-    except UsageError as exc:
-        print(f"dml-optim {args.command}: error: {exc}", file=sys.stderr)
+    except UsageError as exc:  # one line, whatever the message holds
+        print(f"dml-optim {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"dml-optim {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`dml-optim ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
     except Exception as exc:  # the promise: never a traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(f"dml-optim {args.command}: error: {type(exc).__name__}: {first}", file=sys.stderr)

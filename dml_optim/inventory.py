@@ -1,15 +1,24 @@
-"""Parameter-shape inventories of real models.
+"""Parameter-shape inventories of real models, and the one resolver of model names.
 
 An inventory is the list of ``(name, shape)`` pairs that a model's
-``named_parameters()`` yields, plus its total parameter count, stored as JSON
-under ``shapes/models/`` in the repository (see ``shapes/models/generate.py``,
-which rebuilds them). Benchmarks and tests use them to build realistic sets of
-parameters without downloading any model::
+``named_parameters()`` yields, plus its total parameter count.  The package
+ships inventories of real models as data (``dml_optim/data/shapes/models/``,
+rebuilt by ``tools/generate_inventories.py``), next to the example
+DirectML descriptors (``dml_optim/data/shapes/descriptors/``); both are read
+with :mod:`importlib.resources`, so they work from an installed wheel as from
+a checkout.  Benchmarks and tests use the inventories to build realistic sets
+of parameters without downloading any model::
 
-    from dml_optim.inventory import builtin_inventories, load_inventory, make_params
+    from dml_optim.inventory import make_params, resolve_model
 
-    inv = load_inventory(builtin_inventories()["resnet50"])
+    inv = resolve_model("resnet50")            # a built-in name, or a path to an inventory JSON
     params = make_params(inv, generator=torch.Generator().manual_seed(0))
+
+:func:`resolve_model` is what every command's model argument goes through
+(``audit --model``, ``validate --model``, ``compare --workload``, ``bench
+--workloads``): a built-in name (:func:`builtin_inventories`), a synthetic
+name (``many-small-N``: N tensors of 1,024 elements; ``one-Nk`` / ``one-Nm``:
+one tensor of N * 2**10 / N * 2**20 elements), or a path to an inventory file.
 
 File format::
 
@@ -22,15 +31,42 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["Inventory", "load_inventory", "builtin_inventories", "make_params"]
+__all__ = [
+    "Inventory", "SYNTHETIC_PATTERNS", "load_inventory", "builtin_inventories", "models_dir", "descriptors_dir",
+    "known_models", "resolve_model", "make_params",
+]
 
-_MODELS_DIR = Path(__file__).resolve().parent.parent / "shapes" / "models"
+#: Synthetic model names :func:`resolve_model` accepts besides the built-in files.
+SYNTHETIC_PATTERNS = ("many-small-N", "one-Nk", "one-Nm")
+_MANY_SMALL = re.compile(r"many-small-([1-9][0-9]*)")
+_ONE = re.compile(r"one-([1-9][0-9]*)([km])")
+
+
+def _shapes_dir() -> Path:
+    # pip installs packages as folders, so the resource is a real path (printed by `dml-optim info`)
+    return Path(str(resources.files("dml_optim") / "data" / "shapes"))
+
+
+def models_dir() -> Path:
+    """The folder of the built-in model inventories (``<package>/data/shapes/models``)."""
+    return _shapes_dir() / "models"
+
+
+def descriptors_dir() -> Path:
+    """The folder of the example ``DML_ADAM_OPTIMIZER_OPERATOR_DESC`` files (``<package>/data/shapes/descriptors``).
+
+    One case per validator rule, each with the exit status and rule ids that
+    ``dml-optim validate`` must produce (see the README.md there).
+    """
+    return _shapes_dir() / "descriptors"
 
 
 @dataclass(frozen=True)
@@ -126,15 +162,58 @@ def load_inventory(path: str | os.PathLike[str]) -> Inventory:
 
 
 def builtin_inventories() -> dict[str, Path]:
-    """Map model name (file stem) to path for the inventories in the repository's ``shapes/models``.
+    """Map model name (file stem) to path for the inventories installed with the package."""
+    return {p.stem: p for p in sorted(models_dir().glob("*.json"))}
 
-    The folder is found relative to this module, so this works from a source
-    checkout (including an editable install); an installed wheel does not ship
-    ``shapes/`` and gets an empty dict.
+
+def known_models() -> list[str]:
+    """The model names :func:`resolve_model` accepts: the built-in ones, then the synthetic patterns."""
+    return [*builtin_inventories(), *SYNTHETIC_PATTERNS]
+
+
+def _synthetic(name: str) -> Inventory | None:
+    many = _MANY_SMALL.fullmatch(name)
+    if many:
+        count = int(many.group(1))
+        params = tuple((f"t{i:04d}.weight", (1024,)) for i in range(count))  # as many-small.json
+        return Inventory(name, f"synthetic: {count:,} tensors of 1,024 elements", count * 1024, params)
+    one = _ONE.fullmatch(name)
+    if one:
+        n = int(one.group(1)) << (20 if one.group(2) == "m" else 10)
+        return Inventory(name, f"synthetic: one tensor of {n:,} elements", n, (("weight", (n,)),))
+    return None
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Inventory:
+    """The inventory that a model argument names: a built-in name, a synthetic name, or a file.
+
+    ``model`` is read as a path when it ends in ``.json`` or contains a path
+    separator, and as a name otherwise (names take precedence over a file of
+    the same name in the working directory).
+
+    Raises:
+        ValueError: a one-line message: the name is unknown (the message lists
+            the known names), the file does not exist or cannot be read, or it
+            is not a valid inventory (see :func:`load_inventory`).
     """
-    if not _MODELS_DIR.is_dir():
-        return {}
-    return {p.stem: p for p in sorted(_MODELS_DIR.glob("*.json"))}
+    text = os.fspath(model)
+    looks_like_path = text.endswith(".json") or os.sep in text or (os.altsep is not None and os.altsep in text)
+    if not looks_like_path:
+        builtin = builtin_inventories()
+        if text in builtin:
+            return load_inventory(builtin[text])
+        synthetic = _synthetic(text)
+        if synthetic is not None:
+            return synthetic
+    path = Path(text)
+    if not path.is_file():
+        what = "no such inventory file" if looks_like_path else "unknown model"
+        raise ValueError(f"{what} {text!r}: give a built-in model ({', '.join(known_models())}) "
+                         "or the path of an inventory JSON file")
+    try:
+        return load_inventory(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
 def make_params(

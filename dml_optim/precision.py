@@ -54,7 +54,6 @@ Metrics (per configuration and stream; ``x`` the configuration's parameters,
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -165,8 +164,7 @@ def reference_optimizer(name: str, params, hyperparameters: dict[str, Any] | Non
 def _hyperparameters(name: str, hyperparameters: dict[str, Any] | None) -> dict[str, Any]:
     """The hyperparameters a run actually uses (class defaults, ours, the caller's)."""
     probe = make_optimizer(name, [torch.nn.Parameter(torch.zeros(1))], CONFIGS["fp32"], hyperparameters)
-    skip = set(FlatOptimizer._options)
-    return {k: v for k, v in probe.defaults.items() if k not in skip}
+    return {k: probe.defaults[k] for k in type(probe).spec.names}
 
 
 # ---------------------------------------------------------------------------------
@@ -354,7 +352,7 @@ def gaussian_stream(init: torch.Tensor, shapes, steps: int, seed: int, std: floa
 
 
 def workload_params(workload: str, seed: int) -> tuple[torch.Tensor, list[tuple[int, ...]], str]:
-    """``(init, shapes, name)`` for ``"mlp"`` or an inventory path/name."""
+    """``(init, shapes, name)`` for ``"mlp"`` or a model name or inventory path (:func:`dml_optim.inventory.resolve_model`)."""
     if workload == "mlp":
         from dml_optim import toy
 
@@ -362,12 +360,12 @@ def workload_params(workload: str, seed: int) -> tuple[torch.Tensor, list[tuple[
         shapes = [tuple(p.shape) for p in model.parameters()]
         init = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         return _round_init(init), shapes, "mlp"
-    from dml_optim.inventory import builtin_inventories, load_inventory, make_params
+    from dml_optim.inventory import make_params, resolve_model
 
-    path = builtin_inventories().get(workload, workload)
-    if not Path(path).is_file():
-        raise ValueError(f"workload: {workload!r} is not 'mlp', a built-in inventory ({', '.join(builtin_inventories())}) or an inventory file")
-    inv = load_inventory(path)
+    try:
+        inv = resolve_model(workload)
+    except ValueError as exc:
+        raise ValueError(f"workload: not 'mlp' and {exc}") from None
     params = make_params(inv, generator=torch.Generator().manual_seed(int(seed)), scale=0.05)
     init = torch.cat([p.detach().reshape(-1) for p in params])
     return _round_init(init), [shape for _, shape in inv.parameters], inv.name
@@ -401,14 +399,20 @@ class Result:
 
 class _Run:
     def __init__(self, config: Config, opt: FlatOptimizer):
-        if len(opt._flats) != 1 or len(opt._flats[0]) != 1:
+        opt.attach_grads()  # every p.grad becomes a view of the flat gradient buffer
+        if len(opt.flat_buffers()) != 1:
             raise RuntimeError("precision: expected one flat buffer per optimizer")
-        self.config, self.opt, self.flat = config, opt, opt._flats[0][0]
+        self.config, self.opt = config, opt
         self.prev = self.flat.data.clone()
         self.curve: list[float] = []
         self.lost = self.moved = self.underflow = 0
         self.first_nonfinite: int | None = None
-        self.flat.attach_grads()  # every p.grad becomes a view of the flat gradient buffer
+
+
+    @property
+    def flat(self):
+        """The optimizer's one flat buffer, as it is now (states appear at the first step)."""
+        return self.opt.flat_buffers()[0]
 
 
 def _sq_norm(x: torch.Tensor, r: torch.Tensor | None = None) -> float:
@@ -420,13 +424,13 @@ def _sq_norm(x: torch.Tensor, r: torch.Tensor | None = None) -> float:
 
 
 def run_stream(optimizer: str, stream: Stream, configs: Sequence[Config], *,
-               hyperparameters: dict[str, Any] | None = None, progress=None,
+               hyperparameters: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None,
                ) -> tuple[list[Result], list[dict[str, str]], float | None]:
     """Feed ``stream`` through each configuration and the float64 reference.
 
     Returns ``(results, skipped, reference_loss)``; a configuration the optimizer refuses
     (its constructor raises TypeError/ValueError) is skipped with the reason.
-    ``progress``: an object with ``update(n)`` (a tqdm bar) or None.
+    ``progress``: called as ``progress(t)`` after step ``t``, or None.
     """
     ref = _Run(Config("reference", torch.float64), reference_optimizer(optimizer, stream.params(torch.float64), hyperparameters))
     runs, skipped = [], []
@@ -448,7 +452,7 @@ def run_stream(optimizer: str, stream: Stream, configs: Sequence[Config], *,
             _step_run(run, g, nonzero, r, ref.prev, ref_sq, t)
         ref.prev.copy_(r)
         if progress is not None:
-            progress.update(1)
+            progress(t)
     results = [Result(run.config.name, stream.name, _final_metrics(optimizer, run, ref, stream), run.curve) for run in runs]
     ref_loss = stream.loss(ref.flat.data.float()) if stream.loss is not None else None
     return results, skipped, ref_loss
@@ -810,22 +814,24 @@ def compare(
     streams: Sequence[str] | None = None,
     configs: Sequence[str] | None = None,
     hyperparameters: dict[str, Any] | None = None,
-    progress: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Report:
     """Run every configuration and the float64 reference on identical gradient streams.
 
     Args:
         optimizer: ``adam``, ``dml-adam``, ``adagrad`` or ``momentum``.
         steps: steps per stream (default :func:`default_steps` of the workload's size).
-        workload: ``"mlp"`` (the built-in model) or an inventory (a path to a
-            ``shapes/models/*.json`` file or a built-in name such as ``gpt2``).
+        workload: ``"mlp"`` (the built-in model) or a model for
+            :func:`dml_optim.inventory.resolve_model` (a built-in name such as
+            ``gpt2``, or the path of an inventory JSON file).
         seed: seeds the model, the data and the streams.
         streams: default ``("recorded", "synthetic")`` for ``mlp`` and
             ``("gaussian", "synthetic")`` for an inventory (which has no model
             to record gradients from).
         configs: names from :data:`CONFIGS` (default: all).
         hyperparameters: overrides of the optimizer's hyperparameters.
-        progress: show a tqdm progress bar (only when stderr is a terminal).
+        progress: called as ``progress(done, total)`` after every step of every
+            stream (``total`` is steps times streams); None: silent.
     """
     _check_optimizer(optimizer)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -859,30 +865,28 @@ def compare(
 
 def _compare(optimizer: str, steps: int, workload: str, seed: int, streams: tuple[str, ...], names: list[str],
              hyper: dict[str, Any], hyperparameters: dict[str, Any] | None, init: torch.Tensor,
-             shapes: list[tuple[int, ...]], wname: str, progress: bool) -> Report:
+             shapes: list[tuple[int, ...]], wname: str, progress: Callable[[int, int], None] | None) -> Report:
     """:func:`compare` after validation: run each stream, then build the report."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=steps * len(streams), desc=f"compare {optimizer}", unit="step",
-               disable=not progress or not sys.stderr.isatty(), leave=False)
     results, skipped, stream_info, numel = [], [], [], {}
-    try:
-        for name in streams:
-            if name == "recorded":
-                stream = recorded_stream(optimizer, steps, seed, hyperparameters)
-            elif name == "synthetic":
-                stream = synthetic_stream(init, shapes, steps, seed)
-            else:
-                stream = gaussian_stream(init, shapes, steps, seed)
-            res, skip, ref_loss = run_stream(optimizer, stream, [CONFIGS[n] for n in names],
-                                             hyperparameters=hyperparameters, progress=bar)
-            results += res
-            skipped += skip
-            numel[name] = stream.init.numel()
-            stream_info.append({"name": name, "description": stream.description, "parameters": stream.init.numel(),
-                                "reference_loss": ref_loss})
-    finally:
-        bar.close()
+    for i, name in enumerate(streams):
+        if name == "recorded":
+            stream = recorded_stream(optimizer, steps, seed, hyperparameters)
+        elif name == "synthetic":
+            stream = synthetic_stream(init, shapes, steps, seed)
+        else:
+            stream = gaussian_stream(init, shapes, steps, seed)
+
+        def step_done(t: int, before: int = i * steps) -> None:
+            progress(before + t, steps * len(streams))
+
+        res, skip, ref_loss = run_stream(optimizer, stream, [CONFIGS[n] for n in names],
+                                         hyperparameters=hyperparameters,
+                                         progress=None if progress is None else step_done)
+        results += res
+        skipped += skip
+        numel[name] = stream.init.numel()
+        stream_info.append({"name": name, "description": stream.description, "parameters": stream.init.numel(),
+                            "reference_loss": ref_loss})
     report = Report(optimizer, hyper, wname, seed, steps, stream_info, [CONFIGS[n] for n in names], results, skipped)
     report.notes.append("Arithmetic in FP16/BF16 rounds every op's result to that dtype (as DirectML does); "
                         "on the CPU each op computes internally in FP32 first, so one op's result is correctly rounded.")

@@ -237,10 +237,9 @@ def _state_dtype(opt: torch.optim.Optimizer, fallback: torch.dtype) -> str:
         for key, value in state.items():
             if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
                 return str(value.dtype).replace("torch.", "")
-    for buffers in getattr(opt, "_flats", []):  # dml_optim: one list of flat buffers per param group
-        for flat in buffers:
-            for value in flat.states.values():
-                return str(value.dtype).replace("torch.", "")
+    for info in opt.flat_buffers() if hasattr(opt, "flat_buffers") else []:
+        for value in info.states.values():
+            return str(value.dtype).replace("torch.", "")
     return str(fallback).replace("torch.", "")
 
 

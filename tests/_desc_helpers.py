@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS_DIR = REPO / "shapes" / "descriptors"
-MODELS_DIR = REPO / "shapes" / "models"
+CORPUS_DIR = REPO / "dml_optim" / "data" / "shapes" / "descriptors"
+MODELS_DIR = REPO / "dml_optim" / "data" / "shapes" / "models"
 
 TENSORS = (
     "InputParametersTensor",

@@ -26,16 +26,13 @@ from dml_optim.audit import (
     torch_equivalent,
 )
 from dml_optim.cli import main
-from dml_optim.inventory import builtin_inventories, load_inventory
+from dml_optim.inventory import models_dir, resolve_model
 
 OPS_PER_FLAT_BUFFER = 12
 
 
 def _shapes() -> list[tuple[int, ...]]:
-    path = builtin_inventories().get("resnet50")
-    if path is None:  # an installed wheel has no shapes/ folder
-        pytest.skip("shapes/models/resnet50.json is not in this checkout")
-    inv = load_inventory(path)
+    inv = resolve_model("resnet50")
     shapes = [shape for _, shape in inv.parameters if math.prod(shape) <= 2**14]
     assert len(shapes) >= 100
     return shapes
@@ -230,12 +227,14 @@ def test_cli_audit_text(capsys):
     assert "aten::lerp_.Scalar" in out and "fallback" in out
 
 
-def test_cli_audit_json_on_a_model(capsys):
-    path = builtin_inventories().get("tiny-mlp")
-    if path is None:
-        pytest.skip("shapes/models/tiny-mlp.json is not in this checkout")
-    assert main(["audit", "--optimizer", "dml-adam", "--model", str(path), "--json"]) == 0
-    d = json.loads(capsys.readouterr().out)
+@pytest.mark.parametrize("model", ["tiny-mlp", str(models_dir() / "tiny-mlp.json")])
+def test_cli_audit_json_on_a_model(capsys, model):
+    # a built-in name and a path are the same model (issue item 2: `--model resnet50` said "no such file")
+    assert main(["audit", "--optimizer", "dml-adam", "--model", model, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""  # small model: no progress, and with --json nothing but the JSON
+    d = json.loads(captured.out)
+    assert d["model"] == "tiny-mlp"
     n = d["tensors"]
     assert d["ours"]["fallback_ops"] == 0 and d["ours"]["host_syncs"] == 0 and d["ours"]["all_native"]
     assert d["ours"]["total_ops"] <= OPS_PER_FLAT_BUFFER
@@ -243,7 +242,8 @@ def test_cli_audit_json_on_a_model(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--model", "no/such/model.json"], "--model"),
+    (["--model", "no/such/model.json"], "--model: no such inventory file 'no/such/model.json'"),
+    (["--model", "resnet"], "--model: unknown model 'resnet': give a built-in model (bert-base-uncased, gpt2,"),
     (["--top", "-1"], "--top"),
 ])
 def test_cli_audit_usage_errors(capsys, argv, message):
@@ -259,11 +259,27 @@ def test_cli_audit_bad_model_file(tmp_path, capsys):
     assert "--model" in capsys.readouterr().err
 
 
-def test_cli_audit_without_inventories_uses_builtin_shapes(monkeypatch, capsys):
-    import dml_optim.inventory
+def test_cli_audit_of_a_large_model_prints_the_header_then_progress(capsys):
+    # one tensor of 2M elements: above the progress threshold, and quick for momentum
+    assert main(["audit", "--optimizer", "momentum", "--model", "one-2m", "--top", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("dml-optim audit: momentum on one-2m (1 tensors, 2,097,152 parameters")
+    assert lines[1].startswith("audit: optimizer 1/2 (50%)  dml_optim.Momentum")
+    assert lines[2].startswith("audit: optimizer 2/2 (100%)  torch.optim.SGD")
 
-    monkeypatch.setattr(dml_optim.inventory, "builtin_inventories", lambda: {})
-    assert main(["audit", "--optimizer", "momentum", "--json"]) == 0
-    d = json.loads(capsys.readouterr().out)
-    assert d["model"] == "built-in tiny MLP" and d["tensors"] == 6
-    assert d["torch"]["optimizer"].startswith("torch.optim.SGD")
+
+def test_cli_audit_json_progress_goes_to_stderr(capsys):
+    assert main(["audit", "--optimizer", "momentum", "--model", "one-2m", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["parameters"] == 2**21
+    assert captured.err.splitlines()[0].startswith("dml-optim audit: momentum on one-2m")
+    assert "audit: optimizer 2/2 (100%)" in captured.err
+
+
+def test_cli_audit_help_names_the_built_in_models(capsys):
+    with pytest.raises(SystemExit):
+        main(["audit", "--help"])
+    out = capsys.readouterr().out
+    assert "built-in shapes" not in out
+    for name in ("resnet50", "gpt2", "bert-base-uncased", "vit-b-16", "tiny-mlp", "many-small"):
+        assert name in out

@@ -1,6 +1,7 @@
 """Smoke test of the benchmark (``dml-optim bench --quick`` / ``bench/run.py --quick``).
 
-Checks the shape of what it writes and prints; never its speed.
+Checks the shape of what it writes and prints, where it writes it, its
+header and progress, and its usage errors; never its speed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dml_optim import benchmark, compiled
 from dml_optim.cli import main
@@ -26,11 +28,22 @@ NUMERIC = ("ms_per_step", "steps_per_s", "ratio_to_best_torch", "gbs", "fraction
 
 
 @pytest.mark.slow
-def test_quick_benchmark_writes_every_candidate(tmp_path, capsys):
-    out = tmp_path / "quick.json"
-    assert main(["bench", "--quick", "--out", str(out)]) == 0
+def test_quick_benchmark_writes_every_candidate(tmp_path, monkeypatch, capsys):
+    # from a folder that is not the checkout, without --out: the result goes to
+    # ./dml-optim-out/bench/, and no bench/results/ appears there (issue item 7)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--quick"]) == 0
+    (out,) = (tmp_path / "dml-optim-out" / "bench").glob("cpu-*-quick.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dml-optim-out"]
     doc = json.loads(out.read_text())
     printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[0].startswith("dml-optim bench --quick: device cpu, optimizers adam, adagrad, momentum, "
+                               "workloads many-small-256; results to dml-optim-out/bench/cpu-")
+    progress = [line for line in lines if line.startswith("bench: group ")]
+    assert progress == [f"bench: group {k}/3 ({100 * k // 3}%)  {o} on many-small-256"
+                        for k, o in enumerate(benchmark.OPTIMIZERS, 1)]
+    assert lines.index(progress[-1]) < lines.index(next(line for line in lines if line.startswith("| optimizer |")))
 
     assert doc["schema"] == 1 and doc["quick"] is True and doc["device"] == "cpu"
     for key in ("created", "dtype", "machine", "settings", "candidates", "workloads", "results", "references", "targets"):
@@ -66,7 +79,7 @@ def test_quick_benchmark_writes_every_candidate(tmp_path, capsys):
         assert ref["triad_gbs"] > 0 and ref["auto_backend"] in ("eager", "compiled")
     assert all(t["status"] in ("PASS", "MISS", "not measured") for t in doc["targets"])
     assert "| optimizer | workload | candidate | ms/step |" in printed
-    assert "| target |" in printed and str(out) in printed
+    assert "| target |" in printed and f"wrote {out.relative_to(tmp_path)}" in printed
 
 
 def test_op_counts_reflect_the_implementation():
@@ -93,7 +106,24 @@ def test_op_counts_reflect_the_implementation():
 def test_bench_rejects_an_unknown_workload(capsys):
     assert main(["bench", "--quick", "--workloads", "no-such-model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--workloads" in err[0] and "no-such-model" in err[0]
+    assert len(err) == 1 and "--workloads" in err[0] and "no-such-model" in err[0] and "resnet50" in err[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA is NOT usable")
+def test_bench_on_an_unusable_device_is_a_usage_error(tmp_path, capsys):
+    # once `error: RuntimeError: ...` and status 1, unlike every other command
+    assert main(["bench", "--quick", "--device", "cuda", "--out", str(tmp_path / "x.json")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("dml-optim bench: error: --device: device 'cuda' is not usable: ")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_workloads_are_the_models_of_every_command():
+    from dml_optim.inventory import models_dir
+
+    assert benchmark.workload("tiny-mlp") == benchmark.workload(str(models_dir() / "tiny-mlp.json"))
+    assert len(benchmark.workload("many-small").shapes) == 2000
+    assert benchmark.workload("one-64m").shapes == ((2**26,),)
 
 
 def test_bench_script_runs_from_a_checkout():
@@ -106,6 +136,16 @@ def test_bench_script_runs_from_a_checkout():
 def test_quick_results_do_not_overwrite_full_ones(tmp_path):
     full = benchmark.default_output_path("cuda:0", tmp_path)
     quick = benchmark.default_output_path("cuda:0", tmp_path, quick=True)
-    assert full.parent == quick.parent == tmp_path / "bench" / "results"
+    assert full.parent == quick.parent == tmp_path / "bench"
     assert full.name.startswith("cuda-") and full.suffix == ".json"
     assert quick.name == full.name.replace(".json", "-quick.json")
+
+
+def test_default_output_is_under_the_working_directory_not_the_checkout():
+    path = benchmark.default_output_path("cpu", quick=True)
+    assert not path.is_absolute() and path.parts[:2] == ("dml-optim-out", "bench")
+
+
+def test_default_output_folder_is_ignored_by_git():
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    assert "dml-optim-out/" in lines

@@ -170,20 +170,92 @@ def test_usage_error_in_a_subprocess_has_no_traceback():
     assert proc.stdout == ""
 
 
+def _help_examples() -> list[str]:
+    """The example command lines of every subcommand's --help."""
+    sub = _subparsers()
+    return [line.split("#")[0].strip() for name in COMMANDS for line in (sub[name].epilog or "").splitlines()
+            if line.strip().startswith("dml-optim ")]
+
+
 def test_every_file_named_in_a_help_example_exists():
     """Examples in --help must run as written from a checkout (a renamed corpus
     file once left `dml-optim validate`'s first example failing with exit 2)."""
     import re
     from pathlib import Path
 
-    from dml_optim.cli import COMMANDS, build_parser
-
     root = Path(__file__).resolve().parent.parent
-    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
-    named = []
-    for name in COMMANDS:
-        epilog = sub.choices[name].epilog or ""
-        named += re.findall(r"(?:shapes|docs|examples)/[\w./-]+\.(?:json|py|md)", epilog)
-    assert named, "no example names a file: this test would check nothing"
+    named = [path for line in _help_examples() for path in re.findall(r"(?:docs|examples|bench)/[\w./-]+\.(?:json|py|md)", line)]
     missing = [path for path in named if not (root / path).exists()]
     assert missing == []
+
+
+def test_every_model_named_in_a_help_example_resolves_by_name():
+    """The help's models are names, not paths into a checkout (`compare --workload gpt2` from
+    an installed wheel once failed); `my-*.json` stands for the user's own file."""
+    from dml_optim.inventory import resolve_model
+
+    models = []
+    for line in _help_examples():
+        words = line.split()
+        for flag in ("--model", "--workload", "--workloads"):
+            if flag in words:
+                values = words[words.index(flag) + 1:]
+                models += values[:1] if flag != "--workloads" else [v for v in values if not v.startswith("-")]
+    assert {"resnet50", "gpt2"} <= set(models), models
+    for model in models:
+        assert "/" not in model, f"help example names a path: {model}"
+        if model == "mlp" or model.startswith("my-"):
+            continue
+        resolve_model(model)
+
+
+# ----------------------------------------------------------------------------
+# one error convention for every subcommand: one line on stderr, status 2
+# ----------------------------------------------------------------------------
+
+def _no_cuda() -> bool:
+    return not torch.cuda.is_available()
+
+
+#: (command, argv after the command, words the one line must hold); at least one per subcommand,
+#: past argparse (an unusable device, an unknown model, an unwritable output path).
+USAGE_ERRORS = [
+    ("train", ["--device", "privateuseone"], ["--device", "'privateuseone'"]),
+    ("info", ["--jsn"], ["--jsn"]),
+    ("validate", ["--model", "resnet"], ["--model", "unknown model 'resnet'", "resnet50"]),
+    ("validate", ["--model", "gpt2", "--feature-level", "9_9"], ["--feature-level", "9_9"]),
+    ("audit", ["--optimizer", "adam", "--model", "gpt3"], ["--model", "unknown model 'gpt3'", "gpt2"]),
+    ("compare", ["--workload", "resnet"], ["--workload", "unknown model 'resnet'", "resnet50"]),
+    ("compare", ["--out", "{file}/sub"], ["--out", "{file}"]),
+    ("bench", ["--workloads", "resnet"], ["--workloads", "unknown model 'resnet'", "resnet50"]),
+    ("bench", ["--out", "{file}/sub/x.json"], ["--out", "{file}"]),
+    ("bench", ["--out", "{dir}"], ["--out", "is a directory"]),
+    pytest.param("bench", ["--device", "cuda"], ["--device", "'cuda'", "not usable"],
+                 marks=pytest.mark.skipif(not _no_cuda(), reason="needs a machine where CUDA is NOT usable")),
+]
+
+
+def test_usage_error_cases_cover_every_command():
+    covered = {case.values[0] if hasattr(case, "values") else case[0] for case in USAGE_ERRORS}
+    assert covered == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command,argv,words", USAGE_ERRORS)
+def test_usage_errors_are_one_line_and_status_2(command, argv, words, tmp_path, capsys):
+    from dml_optim.dml.device import available
+
+    if command == "train" and available()[0]:
+        pytest.skip("a DirectML device is usable here")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    subst = {"{file}": str(blocker), "{dir}": str(tmp_path)}
+
+    def fill(text):
+        for key, value in subst.items():
+            text = text.replace(key, value)
+        return text
+
+    line = _assert_one_line_usage_error([command, *map(fill, argv)], capsys)
+    assert line.startswith(f"dml-optim {command}: error: "), line
+    for word in words:
+        assert fill(word) in line, (word, line)

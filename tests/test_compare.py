@@ -1,4 +1,5 @@
-"""``dml_optim.precision.compare`` and ``dml-optim compare`` (issue 6).
+"""``dml_optim.precision.compare`` and ``dml-optim compare`` (issue 6): also its header,
+progress, default output folder and model names.
 
 The metrics themselves are checked on constructed cases in
 ``tests/test_precision.py``; here: the report has every metric for every
@@ -21,7 +22,7 @@ from dml_optim.cli import main
 
 @pytest.fixture(scope="module")
 def dml_adam_report():
-    return P.compare("dml-adam", steps=6, seed=1, progress=False)
+    return P.compare("dml-adam", steps=6, seed=1)
 
 
 def test_compare_has_every_metric_for_every_configuration(dml_adam_report):
@@ -50,11 +51,11 @@ def test_synthetic_stream_spans_1e_8_to_1e2():
 
 def test_compare_rejects_bad_arguments():
     with pytest.raises(ValueError, match="optimizer"):
-        P.compare("sgd", steps=1, progress=False)
+        P.compare("sgd", steps=1)
     with pytest.raises(ValueError, match="steps"):
-        P.compare("adam", steps=0, progress=False)
+        P.compare("adam", steps=0)
     with pytest.raises(ValueError, match="recorded"):
-        P.compare("adam", steps=1, workload="tiny-mlp", streams=["recorded"], progress=False)
+        P.compare("adam", steps=1, workload="tiny-mlp", streams=["recorded"])
 
 
 def test_compare_command_writes_report_json_and_png(tmp_path, capsys):
@@ -98,7 +99,7 @@ def test_compare_command_usage_errors(argv, flag, capsys, tmp_path):
 
 
 def test_findings_follow_the_numbers():
-    rep = P.compare("adam", steps=5, seed=2, configs=["fp16", "fp16-master"], streams=["synthetic"], progress=False)
+    rep = P.compare("adam", steps=5, seed=2, configs=["fp16", "fp16-master"], streams=["synthetic"])
     m = {r.config: r.metrics for r in rep.results}
     # FP16 state: (1 - beta) g^2 flushes for |g| < 5.5e-3 (about half of the log-uniform 1e-8..1e2 range);
     # FP32 state (fp16-master): zeros only where the gradient itself underflowed in FP16 storage
@@ -138,3 +139,35 @@ def test_compare_command_without_matplotlib_writes_md_and_json(tmp_path, capsys,
     assert "pip install 'dml-optim[plot]'" in capsys.readouterr().out
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["plot"] is None and any("dml-optim[plot]" in n for n in doc["notes"])
+
+
+def test_compare_reports_progress_to_the_caller():
+    calls = []
+    P.compare("momentum", steps=3, workload="tiny-mlp", configs=["fp32"], progress=lambda *c: calls.append(c))
+    assert calls == [(1, 6), (2, 6), (3, 6), (4, 6), (5, 6), (6, 6)]
+
+
+def test_compare_command_header_progress_and_default_folder(tmp_path, monkeypatch, capsys):
+    # issue items 6 and 7: a header and progress before the 45-s silence of an inventory run;
+    # the report goes to ./dml-optim-out/compare, not ./compare-report
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--workload", "many-small-2", "--optimizer", "momentum", "--steps", "10",
+                 "--configs", "fp32,fp16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("dml-optim compare: momentum on many-small-2 (2 tensors, 2,048 parameters), 10 steps per "
+                        "stream (gaussian, synthetic), configurations fp32, fp16; about 1 MB of memory; "
+                        "report to dml-optim-out/compare")
+    assert lines[1:11] == [f"compare: step {k}/20 ({5 * k}%)" for k in range(2, 21, 2)]
+    assert lines[11].startswith("momentum on many-small-2: 10 steps per stream")
+    assert (tmp_path / "dml-optim-out" / "compare" / "report.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dml-optim-out"]
+
+
+def test_compare_command_takes_the_model_names_of_every_command(tmp_path):
+    from dml_optim.inventory import models_dir
+
+    for workload in ("tiny-mlp", str(models_dir() / "tiny-mlp.json")):
+        out = tmp_path / workload.replace("/", "_")
+        assert main(["compare", "--workload", workload, "--steps", "1", "--configs", "fp32", "--streams", "synthetic",
+                     "--out", str(out), "--no-progress"]) == 0
+        assert json.loads((out / "report.json").read_text())["workload"] == "tiny-mlp"

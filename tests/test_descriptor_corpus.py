@@ -1,4 +1,4 @@
-"""``shapes/descriptors``: every case through the CLI, exit status and rule ids as it expects.
+"""``dml_optim/data/shapes/descriptors``: every case through the CLI, exit status and rule ids as it expects.
 
 Each file states ``"expect": {"exit": ..., "rules": [...]}`` inside itself; the
 loader ignores ``expect`` and ``description`` (see the folder's README.md).

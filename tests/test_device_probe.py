@@ -111,7 +111,7 @@ def test_not_installed_is_reported_without_a_probe(monkeypatch):
         raise AssertionError("no probe expected when the package is absent")
 
     monkeypatch.setattr(dml_device, "_probe_subprocess", no_probe)
-    assert dml_device.available() == (False, "torch-directml is not installed (pip install dml-optim[directml])")
+    assert dml_device.available() == (False, f"torch-directml is not installed ({dml_device.install_hint()})")
 
 
 def test_backend_status_lists_every_backend_with_a_reason(fake_plugin):

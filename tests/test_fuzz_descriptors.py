@@ -1,5 +1,5 @@
 """Fuzzing the descriptor validator (issue 8, item 5): mutate the corpus in
-``shapes/descriptors/*.json`` and feed the library and the CLI.
+``dml_optim/data/shapes/descriptors/*.json`` and feed the library and the CLI.
 
 The only acceptable outcomes are *valid* (exit 0), *violations* (exit 1, the
 report on stdout, nothing on stderr) and *malformed input* (exit 2, exactly
@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from dml_optim.cli import main
 from dml_optim.dml import MalformedDescriptor, loads, validate
 
-CORPUS_DIR = Path(__file__).resolve().parent.parent / "shapes" / "descriptors"
+CORPUS_DIR = Path(__file__).resolve().parent.parent / "dml_optim" / "data" / "shapes" / "descriptors"
 CORPUS = sorted(CORPUS_DIR.glob("*.json"))
 TEXTS = {p.name: p.read_bytes() for p in CORPUS}
 PARSED = {}

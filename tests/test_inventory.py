@@ -1,15 +1,28 @@
-"""Parameter-shape inventories (shapes/models/*.json) and dml_optim.inventory."""
+"""Parameter-shape inventories (dml_optim/data/shapes/models/*.json, installed with the package),
+dml_optim.inventory, and resolve_model, the one resolver of model names every command uses."""
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dml_optim.inventory import Inventory, builtin_inventories, load_inventory, make_params
+import dml_optim
+from dml_optim.inventory import (
+    Inventory,
+    builtin_inventories,
+    descriptors_dir,
+    known_models,
+    load_inventory,
+    make_params,
+    models_dir,
+    resolve_model,
+)
 
 # Published parameter counts.
 PUBLISHED_TOTALS = {
@@ -25,7 +38,7 @@ PUBLISHED_TOTALS = {
     # GPT-2 small, "124M" on the gpt2 model card (the paper's 117M undercounts); exact count of
     # transformers.GPT2LMHeadModel with lm_head tied to wte (counted once) is 124,439,808.
     "gpt2": 124_439_808,
-    # Synthetic inventories defined in shapes/models/generate.py.
+    # Synthetic inventories defined in tools/generate_inventories.py.
     "tiny-mlp": 4_522,
     "many-small": 2_000 * 1_024,
 }
@@ -171,3 +184,93 @@ def test_make_params_real_model_shapes(inventories: dict[str, Inventory]) -> Non
 def test_make_params_rejects_integer_dtype(inventories: dict[str, Inventory]) -> None:
     with pytest.raises(ValueError, match="floating-point"):
         make_params(inventories["tiny-mlp"], dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------- package data
+
+
+def test_inventories_and_descriptors_are_package_data() -> None:
+    package = Path(dml_optim.__file__).resolve().parent
+    assert models_dir() == package / "data" / "shapes" / "models"
+    assert descriptors_dir() == package / "data" / "shapes" / "descriptors"
+    assert {p.parent for p in builtin_inventories().values()} == {models_dir()}
+    assert (descriptors_dir() / "valid-minimal.json").is_file() and (descriptors_dir() / "README.md").is_file()
+    # the data is not a Python package: nothing there would shadow the PyPI package named "shapes"
+    assert not list((package / "data").rglob("__init__.py"))
+
+
+def test_pyproject_installs_the_data() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parent.parent
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = setuptools["package-data"]["dml_optim"]
+    package = root / "dml_optim"
+    for folder in (models_dir(), descriptors_dir()):
+        for path in folder.iterdir():
+            relative = path.relative_to(package)
+            assert any(relative.match(g) for g in globs), f"{relative} is not package data"
+
+
+# ----------------------------------------------------------------------------- resolve_model
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TOTALS))
+def test_resolve_model_by_name(name: str) -> None:
+    inv = resolve_model(name)
+    assert inv.name == name and inv.total_parameters == PUBLISHED_TOTALS[name]
+
+
+def test_resolve_model_by_path(tmp_path: Path, monkeypatch) -> None:
+    assert resolve_model(builtin_inventories()["tiny-mlp"]) == resolve_model("tiny-mlp")
+    path = _write(tmp_path, _good())
+    assert resolve_model(str(path)).name == "m"
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("bad.json").name == "m"  # relative to the working directory
+    (tmp_path / "my-model").write_text(json.dumps(_good()))
+    assert resolve_model("my-model").name == "m"  # no built-in of that name: the file
+
+
+@pytest.mark.parametrize(("name", "tensors", "elements"), [
+    ("many-small-3", 3, 3 * 1024),
+    ("one-2k", 1, 2 * 2**10),
+    ("one-64m", 1, 2**26),
+])
+def test_resolve_model_synthetic(name: str, tensors: int, elements: int) -> None:
+    inv = resolve_model(name)
+    assert (inv.name, inv.num_tensors, inv.numel, inv.total_parameters) == (name, tensors, elements, elements)
+    assert inv.source.startswith("synthetic")
+
+
+def test_many_small_is_the_built_in_file_and_many_small_n_the_same_layout() -> None:
+    assert resolve_model("many-small").parameters[:3] == resolve_model("many-small-3").parameters
+
+
+@pytest.mark.parametrize("spec", ["resnet", "no-such-model", "many-small-0", "one-5g", "missing/model.json", "x.json"])
+def test_resolve_model_unknown_is_one_line_listing_the_names(spec: str) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_model(spec)
+    message = str(info.value)
+    assert "\n" not in message and repr(spec) in message
+    for name in known_models():
+        assert name in message
+
+
+def test_resolve_model_bad_file_names_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "{not json")
+    with pytest.raises(ValueError, match="not valid JSON") as info:
+        resolve_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_known_models() -> None:
+    assert known_models()[:6] == sorted(PUBLISHED_TOTALS)
+    assert known_models()[6:] == ["many-small-N", "one-Nk", "one-Nm"]
+
+
+def test_the_maintainer_script_writes_the_package_data() -> None:
+    # tools/generate_inventories.py rebuilds dml_optim/data/shapes/models from architecture definitions
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "tools" / "generate_inventories.py"), "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) == len(PUBLISHED_TOTALS)

@@ -1,13 +1,29 @@
-"""The README's Quick start is exactly two commands, and the second is the one CI runs."""
+"""The README: a Quick start of exactly two commands (the second is the one CI runs), with the
+torch choice before them; every Python block runs as written; the facts it states hold.
+
+Python blocks: every ```python block is run, as written, in its own interpreter
+(on the CPU, with a timeout), so a new section's blocks are picked up without
+editing this file.  A block that is deliberately partial is preceded by an
+HTML comment naming why, on the line right before its fence::
+
+    <!-- not-run: needs two processes (torchrun) -->
+
+A ``# -> TEXT`` comment at the end of a line states what the block prints
+there; the printed lines must equal those, in order.
+"""
 
 from __future__ import annotations
 
+import inspect
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -87,9 +103,11 @@ def test_readme_links_to_files_that_exist_or_are_generated():
     generated = {"docs/divergence.png", "docs/compare-report.md"}  # written by `dml-optim compare` (another task)
     for target in re.findall(r"\]\(((?!https?://|#)[^)]+)\)", text):
         assert (ROOT / target).exists() or target in generated, f"README links to missing {target}"
-    for path in ("examples/ddp_train.py", "shapes/descriptors/valid-minimal.json",
-                 "shapes/descriptors/many-violations.json", "shapes/models/resnet50.json"):
+    for path in ("examples/ddp_train.py", "dml_optim/data/shapes/descriptors/valid-minimal.json",
+                 "dml_optim/data/shapes/descriptors/many-violations.json"):
         assert path in text and (ROOT / path).exists(), path
+    # models are named (`--model resnet50`), not paths into a checkout's old shapes/ folder
+    assert not re.search(r"(?<!data/)shapes/(models|descriptors)/", text)
 
 
 def test_swap_example_runs():
@@ -110,3 +128,117 @@ def test_readme_states_the_epsilon_placement_and_cites_the_directml_issues():
     assert "equal only when epsilon = 0" in text
     assert "torch==2.4.1" in text and "WSL" in text and "LD_LIBRARY_PATH" in text
     assert "HYPOTHESIS_PROFILE=fuzz python -m pytest tests -k fuzz" in text
+
+
+# ----------------------------------------------------------------------------
+# Quick start: the torch choice comes before the first command (issue item 3)
+# ----------------------------------------------------------------------------
+
+def test_quick_start_states_the_torch_choice_before_the_first_command():
+    section = _section(README.read_text(), "Quick start")
+    before = section[:section.index("```")]
+    for needle in ("Windows", "CPU-only", "torch-directml", "Linux", "CUDA",
+                   "pip install torch --index-url https://download.pytorch.org/whl/cpu"):
+        assert needle in before, f"the Quick start names {needle!r} only after its first command (or not at all)"
+
+
+# ----------------------------------------------------------------------------
+# every ```python block runs as written
+# ----------------------------------------------------------------------------
+
+_FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.M | re.S)
+_NOT_RUN = re.compile(r"<!--\s*not-run:\s*(\S.*?)\s*-->\s*$")
+#: Deliberately partial blocks are the exception: keep them few.
+MAX_NOT_RUN = 2
+
+
+def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
+    """``(line number, code, not-run reason or None)`` of every ```python block of ``text``."""
+    blocks = []
+    for match in _FENCE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        reason = _NOT_RUN.search(before)
+        blocks.append((line, match.group(1), reason.group(1) if reason else None))
+    return blocks
+
+
+def expected_output(code: str) -> list[str]:
+    """The ``# -> TEXT`` comments of ``code``, in order."""
+    return [m.group(1).strip() for m in re.finditer(r"#\s*->\s*(.*)$", code, flags=re.M)]
+
+
+def test_block_parser_on_a_sample():
+    sample = ("text\n```python\nprint(1)  # -> 1\n```\n<!-- not-run: needs a GPU -->\n```python\nx\n```\n"
+              "```bash\nls\n```\n")
+    assert python_blocks(sample) == [(2, "print(1)  # -> 1\n", None), (6, "x\n", "needs a GPU")]
+    assert expected_output("print(1)  # -> 1\nprint(2)\n") == ["1"]
+
+
+_BLOCKS = python_blocks(README.read_text())
+
+
+def test_the_readme_has_python_blocks_and_few_partial_ones():
+    assert len(_BLOCKS) >= 3
+    assert sum(reason is not None for *_, reason in _BLOCKS) <= MAX_NOT_RUN
+
+
+@pytest.mark.parametrize("line,code,reason", _BLOCKS, ids=[f"README.md:{line}" for line, *_ in _BLOCKS])
+def test_python_block_runs_as_written(line, code, reason, tmp_path):
+    if reason is not None:
+        pytest.skip(f"README.md:{line} is marked not-run: {reason}")
+    script = tmp_path / f"readme_{line}.py"
+    script.write_text(code, encoding="utf-8")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",  # on the CPU, whatever the machine has
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"README.md:{line} failed:\n{proc.stderr[-3000:]}"
+    expected = expected_output(code)
+    if expected:
+        assert proc.stdout.splitlines() == expected, f"README.md:{line} printed {proc.stdout!r}"
+
+
+# ----------------------------------------------------------------------------
+# facts the README states (issue item 8)
+# ----------------------------------------------------------------------------
+
+def test_loss_scaling_says_the_model_must_be_fp16():
+    section = _section(README.read_text(), "Loss scaling")
+    assert "master_weights=True` needs FP16" in section
+    code = _FENCE.search(section).group(1)
+    assert "float16" in code and "master_weights=True" in code and "import dml_optim" in code
+
+
+def test_audit_step_snippet_takes_a_warm_up_step_first():
+    section = _section(README.read_text(), "Audit a step")
+    assert "one-time" in section
+    code = _FENCE.search(section).group(1)
+    first, steady = expected_output(code)  # the first step's counts, then a steady step's
+    assert first != "7 0" and steady == "7 0 0 0"
+
+
+def test_hyperparameter_passing_is_described_as_it_is():
+    import dml_optim
+
+    text = " ".join(README.read_text().split())  # sentences, whatever the line breaks
+    assert "must be passed by keyword" not in text
+    assert "`lr` may be passed by position" in text and "every other hyperparameter is keyword-only" in text
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for cls in (dml_optim.Adam, dml_optim.DmlAdam, dml_optim.Adagrad, dml_optim.Momentum):
+        params = inspect.signature(cls).parameters.values()
+        assert [p.name for p in params if p.kind in positional] == ["params", "lr"], cls
+    weight = torch.nn.Parameter(torch.zeros(2))
+    assert dml_optim.Adam([weight], 1e-3).param_groups[0]["lr"] == 1e-3
+    with pytest.raises(TypeError):
+        dml_optim.Adam([weight], 1e-3, 0.9)
+
+
+def test_mixed_precision_op_counts_are_the_measured_ones():
+    from dml_optim.training import OPTIMIZERS, TrainConfig, train
+
+    limitations = _section(README.read_text(), "Limitations")
+    low, high = map(int, re.search(r"about (\d+) to (\d+) ops per flat buffer", limitations).groups())
+    ops = {name: train(TrainConfig(optimizer=name, dtype="mixed", steps=3), device="cpu").audit["total_ops"]
+           for name in OPTIMIZERS}
+    assert min(ops.values()) == low and max(ops.values()) == high, ops

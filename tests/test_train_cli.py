@@ -1,9 +1,11 @@
-"""``dml-optim train`` end to end (subprocess), the training library, and the toy problem."""
+"""``dml-optim train`` end to end (subprocess; piped and under a pseudo-terminal), the training
+library, and the toy problem."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from dml_optim import toy
-from dml_optim.commands.train import format_summary
+from dml_optim.commands.train import format_header, format_summary
 from dml_optim.training import DEFAULT_LR, FP16_EPSILON, TrainConfig, resolve_device, train
 
 
@@ -88,6 +90,60 @@ def test_train_json_float16_compare_torch():
     assert ours["audit"]["total_ops"] < theirs["audit"]["total_ops"]
 
 
+def test_piped_header_comes_before_the_progress_lines():
+    proc = _run_cli("--steps", "20")
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("dml-optim train: 20 steps of 128")
+    assert lines[1].startswith("device: cpu") and lines[2].startswith("torch ")
+    assert lines[3].startswith("dml_optim: step 2/20 (10%)")
+    done = next(i for i, line in enumerate(lines) if line.startswith("dml_optim: step 20/20 (100%)"))
+    summary = next(i for i, line in enumerate(lines) if line.startswith("optimizer: "))
+    assert 3 < done < summary
+
+
+def _run_in_pty(argv: list[str], columns: int) -> str:
+    """Run ``python -m dml_optim ARGV`` with stdout and stderr on a pseudo-terminal of ``columns``
+    columns (0: nobody set its size, as under ``script``); return what it printed."""
+    pty = pytest.importorskip("pty")
+    import fcntl
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    if columns:
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, "-m", "dml_optim", *argv], stdin=subprocess.DEVNULL,
+                            stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(timeout=300) == 0
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_progress_on_a_terminal_without_a_width_is_plain_lines():
+    # `script -qc "dml-optim train" /dev/null` once showed neither a bar nor the 10% lines
+    out = _run_in_pty(["train", "--device", "cpu", "--steps", "20"], columns=0)
+    assert "dml_optim: step 2/20 (10%)" in out and "dml_optim: step 20/20 (100%)" in out
+    assert out.index("device: cpu") < out.index("dml_optim: step 2/20")
+
+
+def test_progress_on_a_terminal_of_known_width_is_a_bar():
+    out = _run_in_pty(["train", "--device", "cpu", "--steps", "20"], columns=100)
+    assert "20/20 [" in out and "%|" in out  # tqdm's bar
+    assert "(10%)" not in out
+    assert out.index("device: cpu") < out.index("%|")
+
+
 # ----------------------------------------------------------------------------
 # the library, in-process
 # ----------------------------------------------------------------------------
@@ -157,13 +213,25 @@ def test_resolve_device():
             resolve_device("cuda")
 
 
+def _header(config: TrainConfig, requested_device: str) -> dict:
+    return {"config": {"steps": config.steps, "batch_size": config.batch_size, "dtype": config.dtype,
+                       "seed": config.seed},
+            "n_train": config.n_train, "n_test": config.n_test, "num_classes": toy.NUM_CLASSES, "threads": 1,
+            "torch": torch.__version__, "requested_device": requested_device, "device": "cpu",
+            "directml": {"available": False, "reason": "test reason"}}
+
+
+def test_header_says_why_not_directml_only_when_the_device_was_picked_automatically():
+    config = TrainConfig(steps=10)
+    assert format_header(_header(config, "auto")).splitlines()[1] == "device: cpu (not DirectML: test reason)"
+    assert format_header(_header(config, "cpu")).splitlines()[1] == "device: cpu"
+
+
 def test_summary_puts_runs_side_by_side():
     config = TrainConfig(optimizer="dml-adam", steps=10)
     results = [train(config), train(config, impl="torch")]
-    header = {"n_train": config.n_train, "n_test": config.n_test, "threads": 1, "torch": torch.__version__,
-              "directml": {"available": False, "reason": "test reason"}}
-    text = format_summary(header, results)
-    assert "device: cpu (not DirectML: test reason)" in text
+    text = format_summary(results)
+    assert text.startswith("optimizer: dml_optim.DmlAdam(")
     table_head = next(line for line in text.splitlines() if "dml_optim.DmlAdam" in line and "torch.optim.Adam" in line)
     assert table_head.index("dml_optim.DmlAdam") < table_head.index("torch.optim.Adam")
     assert "epsilon" in text.splitlines()[-1]  # the epsilon-placement note

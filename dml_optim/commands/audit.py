@@ -12,7 +12,7 @@ import argparse
 import gc
 import json
 import math
-from pathlib import Path
+import sys
 
 from dml_optim.cli import UsageError
 
@@ -42,25 +42,25 @@ grads, each state, scratch), one optimizer at a time (gpt2, 124M parameters:
 """
 
 EPILOG = """\
+models: a built-in name (resnet50, gpt2, bert-base-uncased, vit-b-16, tiny-mlp,
+many-small; many-small-N, one-Nk, one-Nm) or the path of an inventory JSON file.
+
 examples:
   dml-optim audit --optimizer adam
-  dml-optim audit --optimizer dml-adam --model shapes/models/resnet50.json
-  dml-optim audit --optimizer momentum --model shapes/models/gpt2.json --json
+  dml-optim audit --optimizer dml-adam --model resnet50
+  dml-optim audit --optimizer momentum --model gpt2 --json
+  dml-optim audit --optimizer adagrad --model my-model.json
 """
-
-#: Shapes used when the checkout has no shapes/models/tiny-mlp.json.
-_BUILTIN_SHAPES = (("0.weight", (64, 32)), ("0.bias", (64,)), ("2.weight", (32, 64)), ("2.bias", (32,)),
-                   ("4.weight", (10, 32)), ("4.bias", (10,)))
 
 
 def add_parser(sub):
-    from dml_optim.audit import OPTIMIZER_NAMES
+    from dml_optim.optimizers.registry import NAMES as OPTIMIZER_NAMES
 
     p = sub.add_parser("audit", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--optimizer", required=True, choices=OPTIMIZER_NAMES, help="which optimizer to audit")
-    p.add_argument("--model", metavar="PATH",
-                   help="parameter-shape inventory (shapes/models/X.json; default: tiny-mlp, or built-in shapes)")
+    p.add_argument("--model", metavar="MODEL", default="tiny-mlp",
+                   help="a built-in model name or an inventory JSON path (default: tiny-mlp)")
     p.add_argument("--top", type=int, default=10, metavar="N", help="ops listed per optimizer (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random parameters and gradients")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
@@ -68,20 +68,12 @@ def add_parser(sub):
     return p
 
 
-def _shapes(model: str | None) -> tuple[str, list[tuple[str, tuple[int, ...]]]]:
-    from dml_optim.inventory import builtin_inventories, load_inventory
+def _shapes(model: str) -> tuple[str, list[tuple[str, tuple[int, ...]]]]:
+    from dml_optim.inventory import resolve_model
 
-    if model is None:
-        path = builtin_inventories().get("tiny-mlp")
-        if path is None:
-            return "built-in tiny MLP", list(_BUILTIN_SHAPES)
-        model = str(path)
-    path = Path(model)
-    if not path.is_file():
-        raise UsageError(f"--model: no such file {model!r} (expected a shapes/models/X.json inventory)")
     try:
-        inv = load_inventory(path)
-    except (ValueError, OSError) as exc:
+        inv = resolve_model(model)
+    except ValueError as exc:
         raise UsageError(f"--model: {exc}") from None
     if not inv.parameters:
         raise UsageError(f"--model: {model!r} lists no parameters")
@@ -112,23 +104,39 @@ def _audit(kind: str, name: str, shapes, seed: int):
     return report
 
 
+#: From this many parameters on, the audit takes seconds (resnet50: ~10 s on 2 cores) and shows progress.
+_PROGRESS_MIN_PARAMETERS = 1_000_000
+
+
 def _row(label: str, a, b) -> str:
     return f"  {label:<34} {str(a):>16} {str(b):>22}"
 
 
 def run(args) -> int:
+    from dml_optim.console import Progress
+
     if args.top < 0:
         raise UsageError(f"--top: must be >= 0, got {args.top}")
     model, shapes = _shapes(args.model)
     numel = sum(math.prod(s) for _, s in shapes)
-    ours = _audit("ours", args.optimizer, shapes, args.seed)
-    theirs = _audit("torch", args.optimizer, shapes, args.seed)
+    stream = sys.stderr if args.json else sys.stdout  # with --json, stdout carries only the JSON
+    slow = numel >= _PROGRESS_MIN_PARAMETERS
+    if slow or not args.json:
+        print(f"dml-optim audit: {args.optimizer} on {model} ({len(shapes)} tensors, {numel:,} parameters; "
+              f"float32 on cpu, ~{4 * numel / 2**30:.2f} GiB per copy)", file=stream, flush=True)
+    progress = Progress("audit", 2, stream=stream, unit="optimizer") if slow else None
+    reports = []
+    for kind in ("ours", "torch"):
+        reports.append(_audit(kind, args.optimizer, shapes, args.seed))
+        if progress is not None:
+            progress.update(len(reports), f"{reports[-1].optimizer}: {reports[-1].total_ops} ops")
+    if progress is not None:
+        progress.close()
+    ours, theirs = reports
     if args.json:
         print(json.dumps({"model": model, "tensors": len(shapes), "parameters": numel,
                           "optimizer": args.optimizer, "ours": ours.to_dict(), "torch": theirs.to_dict()}, indent=2))
         return 0
-    print(f"dml-optim audit: {args.optimizer} on {model} ({len(shapes)} tensors, {numel:,} parameters; "
-          f"float32 on cpu, ~{4 * numel / 2**30:.2f} GiB per copy)")
     print("per step, as torch-directml 0.2.5 would run it (one warm-up step first):")
     print(_row("", ours.optimizer, theirs.optimizer))
     print(_row("aten ops dispatched", ours.total_ops, theirs.total_ops))

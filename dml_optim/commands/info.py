@@ -1,11 +1,12 @@
-"""``dml-optim info``: torch version, each device backend's status, the device we would use."""
+"""``dml-optim info``: torch version, each device backend's status, the device we would use,
+and the folders of the data installed with the package (model inventories, example descriptors)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-HELP = "show torch and device-backend status and the device dml-optim would use"
+HELP = "show torch and device-backend status, the device dml-optim would use, and the installed example data"
 EXAMPLES = """examples:
   dml-optim info
   dml-optim info --json
@@ -27,6 +28,7 @@ def gather() -> dict:
 
     import dml_optim
     from dml_optim.dml.device import backend_status, device
+    from dml_optim.inventory import builtin_inventories, descriptors_dir, models_dir
 
     return {
         "dml_optim": dml_optim.__version__,
@@ -35,6 +37,8 @@ def gather() -> dict:
         "platform": platform.platform(),
         "backends": [{"backend": b, "usable": ok, "reason": why} for b, ok, why in backend_status()],
         "device": str(device()),
+        "models": {"folder": str(models_dir()), "names": list(builtin_inventories())},
+        "example_descriptors": str(descriptors_dir()),
     }
 
 
@@ -47,4 +51,6 @@ def run(args) -> int:
     for b in info["backends"]:
         print(f"  {b['backend']:<9} {'usable' if b['usable'] else 'unavailable':<12} {b['reason']}")
     print(f"device: {info['device']}")
+    print(f"built-in models: {', '.join(info['models']['names'])} ({info['models']['folder']})")
+    print(f"example descriptors: {info['example_descriptors']}")
     return 0

@@ -85,39 +85,6 @@ def add_parser(sub):
 
 
 # ----------------------------------------------------------------------------
-# progress
-# ----------------------------------------------------------------------------
-
-class _Progress:
-    """A tqdm bar on a terminal, else a plain line every 10% of the steps.
-
-    The bar is created at the first report, so model and optimizer set-up do
-    not count in its steps per second.
-    """
-
-    def __init__(self, label: str, steps: int, *, stream, tty: bool):
-        self.label, self.steps, self.stream, self.tty, self.bar = label, steps, stream, tty, None
-        self.every = max(1, steps // 100) if tty else max(1, steps // 10)
-
-    def __call__(self, step: int, steps: int, loss: float) -> None:
-        if self.tty:
-            if self.bar is None:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=steps, desc=self.label, unit="step", file=self.stream, leave=False,
-                                dynamic_ncols=True)
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        else:
-            print(f"{self.label}: step {step}/{steps} ({100 * step // steps}%)  batch loss {loss:.4f}",
-                  file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-# ----------------------------------------------------------------------------
 # summary
 # ----------------------------------------------------------------------------
 
@@ -157,16 +124,25 @@ def _rows(result: RunResult) -> list[tuple[str, str]]:
     return rows
 
 
-def format_summary(header: dict, results: list[RunResult]) -> str:
-    """The text summary: a header, then one column per run."""
-    first = results[0]
-    lines = [
-        f"dml-optim train: {first.steps} steps of {first.batch_size} on the built-in {toy.NUM_CLASSES}-class "
-        f"spiral data ({header['n_train']} train / {header['n_test']} held-out), --dtype {first.dtype}, seed {first.seed}",
-        f"device: {first.device}" + ("" if header["directml"]["available"] else
-                                    f" (not DirectML: {header['directml']['reason']})"),
+def format_header(header: dict) -> str:
+    """What runs, where: printed before training starts (before any progress)."""
+    config = header["config"]
+    device = f"device: {header['device']}"
+    if header["requested_device"] == "auto" and not header["directml"]["available"]:
+        device += f" (not DirectML: {header['directml']['reason']})"
+    return "\n".join([
+        f"dml-optim train: {config['steps']} steps of {config['batch_size']} on the built-in "
+        f"{header['num_classes']}-class spiral data ({header['n_train']} train / {header['n_test']} held-out), "
+        f"--dtype {config['dtype']}, seed {config['seed']}",
+        device,
         f"torch {header['torch']}, CPU threads {header['threads']}",
-    ]
+    ])
+
+
+def format_summary(results: list[RunResult]) -> str:
+    """The text summary printed after training: the optimizers, then one column per run."""
+    first = results[0]
+    lines = []
     for result in results:
         lines.append(f"optimizer: {_hyper_text(result)}")
     lines.append("")
@@ -198,6 +174,7 @@ def run(args) -> int:
     import torch
 
     from dml_optim.cli import UsageError
+    from dml_optim.console import Progress
     from dml_optim.dml.device import available
     from dml_optim.training import resolve_device, train
 
@@ -210,26 +187,25 @@ def run(args) -> int:
     config = TrainConfig(optimizer=args.optimizer, lr=args.lr, steps=args.steps, batch_size=args.batch_size,
                          dtype=args.dtype, seed=args.seed).validated()
     dml_ok, dml_reason = available()
-    stream = sys.stderr if args.json else sys.stdout
-    tty = bool(getattr(stream, "isatty", lambda: False)())
-    impls = ["dml_optim", "torch"] if args.compare_torch else ["dml_optim"]
-    results = []
-    for impl in impls:
-        progress = _Progress("torch.optim" if impl == "torch" else "dml_optim", config.steps, stream=stream, tty=tty)
-        try:
-            results.append(train(config, device=device, impl=impl, progress=progress, progress_every=progress.every))
-        finally:
-            progress.close()
     header = {
         "config": {"optimizer": config.optimizer, "lr": config.lr, "steps": config.steps,
                    "batch_size": config.batch_size, "dtype": config.dtype, "seed": config.seed,
                    "hidden": config.hidden},
         "n_train": config.n_train, "n_test": config.n_test, "num_classes": toy.NUM_CLASSES,
-        "device": str(device), "directml": {"available": dml_ok, "reason": dml_reason},
+        "requested_device": args.device, "device": str(device),
+        "directml": {"available": dml_ok, "reason": dml_reason},
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }
+    stream = sys.stderr if args.json else sys.stdout  # with --json, stdout carries only the JSON
+    print(format_header(header), file=stream, flush=True)
+    impls = ["dml_optim", "torch"] if args.compare_torch else ["dml_optim"]
+    results = []
+    for impl in impls:
+        with Progress("torch.optim" if impl == "torch" else "dml_optim", config.steps, stream=stream) as progress:
+            results.append(train(config, device=device, impl=impl, progress_every=progress.every,
+                                 progress=lambda step, steps, loss: progress.update(step, f"batch loss {loss:.4f}")))
     if args.json:
         print(json.dumps({**header, "runs": [r.to_dict() for r in results]}, indent=2))
     else:
-        print(format_summary(header, results))
+        print(format_summary(results))
     return 0

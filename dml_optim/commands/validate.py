@@ -19,16 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dml_optim.cli import UsageError
-from dml_optim.dml.tensor_desc import (
-    ELEMENT_SIZES,
-    MAX_ELEMENTS,
-    MalformedDescriptor,
-    adam_descriptor,
-    canonical_feature_level,
-    load,
-    loads,
-    split_for_dml,
-)
+from dml_optim.dml.builder import adam_descriptor, split_for_dml
+from dml_optim.dml.desc import ELEMENT_SIZES, MAX_ELEMENTS, MalformedDescriptor, canonical_feature_level
+from dml_optim.dml.desc_json import load, loads
 from dml_optim.dml.validate import Report, Violation, validate
 
 HELP = "check DirectML ADAM_OPTIMIZER descriptors (JSON) or a model's optimizer descriptors"
@@ -42,21 +35,24 @@ verdict line per file. Exit status: 0 valid (warnings allowed), 1 at least one
 error, 2 malformed input (a value the C structs cannot hold, not JSON, a
 missing tensor, an unreadable file). With several files, the worst status.
 
-With --model, builds the descriptors the optimizers would use for a model
-inventory (shapes/models/NAME.json): one in-place ADAM_OPTIMIZER per
-parameter tensor, and one per chunk (<= 2^32 - 1 elements) of the flat
+With --model, builds the descriptors the optimizers would use for a model (a
+built-in name such as gpt2 or resnet50, or the path of an inventory JSON
+file): one in-place ADAM_OPTIMIZER per parameter tensor, and one per chunk (<= 2^32 - 1 elements) of the flat
 whole-model buffer; validates them all and prints a summary.
 """
 
 EPILOG = """\
 examples:
-  dml-optim validate shapes/descriptors/valid-minimal.json
-  dml-optim validate shapes/descriptors/*.json --json
-  dml-optim validate my-desc.json --feature-level 4_0
+  dml-optim validate my-desc.json
+  dml-optim validate my-desc.json --feature-level 4_0 --json
   cat my-desc.json | dml-optim validate -
-  dml-optim validate --model shapes/models/gpt2.json --dtype float16
+  dml-optim validate --model gpt2 --dtype float16
+  dml-optim validate --model my-model.json
 
-descriptor JSON (field names as in directml.h; see shapes/descriptors/README.md):
+example descriptors, one per rule, are installed with the package: 'dml-optim
+info' prints their folder (README.md there explains them).
+
+descriptor JSON (field names as in directml.h):
   {"feature_level": "3_0", "LearningRate": 0.001, "Beta1": 0.9, "Beta2": 0.999,
    "Epsilon": 1e-8,
    "InputParametersTensor": {"DataType": "FLOAT32", "Sizes": [1, 1, 1, 1024]},
@@ -78,7 +74,8 @@ def add_parser(sub):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("files", nargs="*", metavar="FILE", help="descriptor JSON file ('-' reads standard input)")
-    p.add_argument("--model", metavar="PATH", help="a model inventory (shapes/models/NAME.json) instead of FILEs")
+    p.add_argument("--model", metavar="MODEL",
+                   help="a built-in model name (resnet50, gpt2, ...) or an inventory JSON path, instead of FILEs")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="with --model: the parameter dtype (default float32)")
     p.add_argument(
         "--epsilon", type=float, help="with --model: the Epsilon attribute (default 1e-8)"
@@ -103,7 +100,7 @@ def run(args) -> int:
     if args.dtype is not None or args.epsilon is not None:
         raise UsageError("--dtype and --epsilon apply only with --model")
     if not args.files:
-        raise UsageError("give at least one descriptor FILE, or --model PATH")
+        raise UsageError("give at least one descriptor FILE, or --model MODEL")
     return _run_files(args.files, level, args.json)
 
 
@@ -198,14 +195,13 @@ class _Tally:
         self.violations.append((label, violation))
 
 
-def _load_model(path: str):
-    from dml_optim.inventory import load_inventory
+def _load_model(model: str):
+    from dml_optim.inventory import resolve_model
 
     try:
-        return load_inventory(path)
-    except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise MalformedDescriptor(f"{path}: {reason}") from None
+        return resolve_model(model)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from None
 
 
 def _hyper(epsilon: float, level: str) -> dict[str, Any]:
@@ -237,12 +233,8 @@ def _flat(numel: int, data_type: str, hyper: dict[str, Any], level: str) -> tupl
     return chunks, tally
 
 
-def _run_model(path: str, data_type: str, epsilon: float, level: str, as_json: bool) -> int:
-    try:
-        inventory = _load_model(path)
-    except MalformedDescriptor as exc:
-        _error(f"bad model inventory: {exc}")
-        return 2
+def _run_model(model: str, data_type: str, epsilon: float, level: str, as_json: bool) -> int:
+    inventory = _load_model(model)
     hyper = _hyper(epsilon, level)
     per_param = _per_parameter(inventory, data_type, hyper, level)
     numel = sum(math.prod(shape) for _, shape in inventory.parameters)

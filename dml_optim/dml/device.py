@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "device", "backend_status", "PROBE_IN_SUBPROCESS", "PROBE_TIMEOUT_S"]
+__all__ = ["available", "device", "backend_status", "install_hint", "PROBE_IN_SUBPROCESS", "PROBE_TIMEOUT_S"]
 
 #: Probe torch-directml in a child interpreter before importing it here.
 PROBE_IN_SUBPROCESS = True
@@ -59,6 +60,24 @@ except Exception as exc:
     out(ok=False, reason="torch_directml.device() failed: " + first(exc))
 out(ok=True, reason="%d DirectML device(s); default %s (%s)" % (count, dev, name))
 """
+
+
+def install_hint() -> str:
+    """What to do about a missing torch-directml on this platform (hint text only; it probes nothing).
+
+    The plugin has wheels for x86_64 CPython 3.8-3.12 on Windows and on WSL
+    (Linux whose kernel release names Microsoft) and works nowhere else, so
+    only there does the hint suggest installing it; the ``directml`` extra's
+    environment marker (pyproject.toml) makes the same choice.
+    """
+    system = platform.system()
+    if system != "Windows" and not (system == "Linux" and "microsoft" in platform.release().lower()):
+        return "DirectML runs only on Windows and WSL"
+    if platform.machine().lower() not in ("amd64", "x86_64"):
+        return f"torch-directml has no wheels for {platform.machine()}; it needs x86_64"
+    if tuple(int(v) for v in platform.python_version_tuple()[:2]) >= (3, 13):
+        return f"torch-directml has no wheels for Python {platform.python_version()}; it needs 3.8 to 3.12"
+    return 'pip install "dml-optim[directml]"'
 
 
 def _first_line(exc: BaseException) -> str:
@@ -105,7 +124,7 @@ def _load() -> tuple[Any, str]:
         module = importlib.import_module("torch_directml")
     except ImportError as exc:
         if isinstance(exc, ModuleNotFoundError) and exc.name == "torch_directml":
-            return None, "torch-directml is not installed (pip install dml-optim[directml])"
+            return None, f"torch-directml is not installed ({install_hint()})"
         return None, f"import torch_directml failed: {_first_line(exc)}"
     except Exception as exc:  # OSError: libd3d12.so missing, and anything else
         return None, f"import torch_directml failed: {_first_line(exc)}"
@@ -139,7 +158,7 @@ def available() -> tuple[bool, str]:
         except Exception as exc:  # a broken finder or package metadata
             return False, f"looking for torch_directml failed: {_first_line(exc)}"
         if not installed:
-            return False, "torch-directml is not installed (pip install dml-optim[directml])"
+            return False, f"torch-directml is not installed ({install_hint()})"
         if PROBE_IN_SUBPROCESS:
             ok, reason = _probe_subprocess()
             if not ok:

@@ -1,4 +1,4 @@
-"""Rebuild the parameter-shape inventories in this folder from architecture definitions.
+"""Rebuild the parameter-shape inventories (``dml_optim/data/shapes/models``) from architecture definitions.
 
 Each model below is a parameter skeleton written in plain ``torch.nn``: the same
 module tree, attribute names and registration order as the real implementation
@@ -7,10 +7,13 @@ real state_dict names in the real order. The skeletons have no ``forward``; they
 exist only to be counted. They are built on the ``meta`` device, so nothing is
 allocated.
 
+A maintainer script, not part of the package: the JSON files it writes are
+package data, installed with dml_optim and read with ``importlib.resources``.
+
 Usage (from the repository root)::
 
-    python3 shapes/models/generate.py           # rewrite the *.json files
-    python3 shapes/models/generate.py --check   # exit 1 if a file is out of date
+    python3 tools/generate_inventories.py           # rewrite the *.json files
+    python3 tools/generate_inventories.py --check   # exit 1 if a file is out of date
 
 Needs only the standard library and torch.
 """
@@ -27,7 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
+MODELS_DIR = Path(__file__).resolve().parent.parent / "dml_optim" / "data" / "shapes" / "models"
 
 
 # --------------------------------------------------------------------------- resnet50
@@ -358,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     stale = []
     for name in args.names or MODELS:
         inv = inventory(name)
-        path = HERE / f"{name}.json"
+        path = MODELS_DIR / f"{name}.json"
         text = render(inv)
         assert json.loads(text) == inv
         if args.check:
@@ -368,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text, encoding="utf-8")
         print(f"{name:20s} {len(inv['parameters']):5d} tensors {inv['total_parameters']:>12,d} parameters")
     if stale:
-        print("out of date: " + ", ".join(stale) + " (run shapes/models/generate.py)", file=sys.stderr)
+        print("out of date: " + ", ".join(stale) + " (run tools/generate_inventories.py)", file=sys.stderr)
         return 1
     return 0
 
