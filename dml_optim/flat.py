@@ -329,8 +329,9 @@ class FlatBuffer:
         """Parameters whose ``.data`` no longer is their slice of the buffer."""
         if self.staged:
             return []
-        return [i for i, (p, a, b) in enumerate(zip(self.params, map(_DATA_PTR, self.params), self.ptrs))
-                if a != b or not p.is_contiguous()]
+        return [i for i, (p, a, b, shape) in enumerate(zip(self.params, map(_DATA_PTR, self.params), self.ptrs,
+                                                              self.shapes))
+                if a != b or not p.is_contiguous() or p.shape != shape]  # (a reshape keeps the pointer)
 
     def diagnose(self) -> Binding:
         """Per-parameter look at what changed (only called when :meth:`check` is False)."""

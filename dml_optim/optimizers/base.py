@@ -175,7 +175,9 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
 
     @classmethod
     def _resolve_torch_names(cls, hyper: dict[str, Any], torch_names: dict[str, Any]) -> dict[str, Any]:
-        """Our hyperparameters with torch.optim keywords (same meaning) applied; conflicts are errors."""
+        """Our hyperparameters with torch.optim keywords (same meaning) applied; conflicts are errors.
+
+        A torch keyword given is kept as given (``dampening=0.1`` reads back 0.1, not ``1 - 0.9``)."""
         hyper = dict(hyper)
         defaults = cls.spec.defaults()
         for alias in cls.spec.torch.aliases:
@@ -191,6 +193,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
                     raise TypeError(f"{cls.__name__}() got {alias.torch}={value!r} and {name}={hyper[name]!r}, which "
                                     f"disagree ({alias.torch} sets {name}={v!r}); pass one of the two")
                 hyper[name] = v
+            hyper[alias.torch] = value
         return hyper
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

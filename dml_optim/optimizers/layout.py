@@ -25,7 +25,9 @@ Every step starts here (:meth:`LayoutMixin._prepare`), in two phases:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -35,6 +37,16 @@ from dml_optim.functional import check_like
 from dml_optim.optimizers.spec import sync_group
 
 __all__ = ["LayoutMixin", "GroupLayout"]
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
+_IS_NONE = partial(operator.is_, None)
+_FAST_ATTRIBUTES = torch._C.DisableTorchFunctionSubclass
+
+
+def _wants_packing(p) -> bool:
+    """A parameter belongs in a flat buffer when it is trainable or has a gradient."""
+    return p.requires_grad or p.grad is not None
 
 
 @dataclass
@@ -98,10 +110,7 @@ class LayoutMixin:
         work = []
         for gi, (group, plan) in enumerate(zip(self.param_groups, plans)):
             layout = self._layout[gi]
-            if plan.candidate is not None:
-                group.update(plan.candidate)
-                layout.synced = plan.synced
-                layout.checked = _items(group)
+            self._settle(gi, plan.candidate, plan.synced)
             if plan.repack:
                 self._repack_group(gi)
                 bindings = [flat.diagnose() for flat in layout.buffers]
@@ -115,22 +124,54 @@ class LayoutMixin:
                 work.append((group, flat))
         return work
 
+    def _unfrozen(self, group: dict[str, Any], layout: GroupLayout) -> bool:
+        """Some unpacked parameter needs packing: it was unfrozen, or (``checks="full"``) it has a
+        gradient although frozen (torch.optim steps every parameter with a gradient)."""
+        if not layout.frozen:
+            return False
+        frozen = [group["params"][i] for i in layout.frozen]
+        with _FAST_ATTRIBUTES():
+            if any(map(_REQUIRES_GRAD, frozen)):
+                return True
+            return self.checks == "full" and not all(map(_IS_NONE, map(_GRAD, frozen)))
+
+    def _settings(self, gi: int, group: dict[str, Any]) -> tuple[dict | None, dict]:
+        """``(candidate, synced)``: the group's settings synced with torch's names and validated,
+        or ``(None, synced)`` when nothing changed since they were last validated.  Writes nothing."""
+        layout = self._layout[gi]
+        if _unchanged(group, layout.checked):
+            return None, layout.synced
+        candidate = {k: v for k, v in group.items() if k != "params"}
+        candidate["params"] = group["params"]
+        synced = sync_group(type(self).spec, candidate, layout.synced, f"param_groups[{gi}]")
+        self._check_group(candidate, gi)
+        del candidate["params"]
+        floats = {h.name: candidate[h.name] for h in type(self).spec.hyperparameters if h.kind == "float"}
+        for flat in layout.buffers:
+            self._check_range(candidate, flat, floats)
+        return candidate, synced
+
+    def _settle(self, gi: int, candidate: dict | None, synced: dict) -> None:
+        """Write validated settings back (a scheduler's write through a torch name reaches ours)."""
+        if candidate is None:
+            return
+        group, layout = self.param_groups[gi], self._layout[gi]
+        group.update(candidate)
+        layout.synced = synced
+        layout.checked = _items(group)
+
+    def _settle_all(self) -> None:
+        """Validate and sync every group's settings now (``state_dict`` saves them consistent)."""
+        pending = [self._settings(gi, group) for gi, group in enumerate(self.param_groups)]
+        for gi, (candidate, synced) in enumerate(pending):
+            self._settle(gi, candidate, synced)
+
     def _plan(self, gi: int, group: dict[str, Any]) -> _Plan:
         """Everything a group's step needs to know, without writing anything."""
         layout = self._layout[gi]
-        if _unchanged(group, layout.checked):
-            candidate, synced, settings = None, layout.synced, group
-        else:
-            candidate = {k: v for k, v in group.items() if k != "params"}
-            candidate["params"] = group["params"]
-            synced = sync_group(type(self).spec, candidate, layout.synced, f"param_groups[{gi}]")
-            self._check_group(candidate, gi)
-            del candidate["params"]
-            settings = candidate
-            floats = {h.name: candidate[h.name] for h in type(self).spec.hyperparameters if h.kind == "float"}
-            for flat in layout.buffers:
-                self._check_range(candidate, flat, floats)
-        repack = bool(layout.frozen) and any(group["params"][i].requires_grad for i in layout.frozen)
+        candidate, synced = self._settings(gi, group)
+        settings = group if candidate is None else candidate
+        repack = self._unfrozen(group, layout)
         bindings: list[Binding | None] = []
         full = self.checks == "full"
         for flat in layout.buffers:
@@ -152,8 +193,11 @@ class LayoutMixin:
         if repack:
             for i in layout.frozen:
                 p = group["params"][i]
-                if p.requires_grad:
+                if _wants_packing(p):
                     self._check_param(p, i, gi)
+                    if p.grad is not None:
+                        check_like(f"grad of {describe_param(p, i, gi)}", local_tensor(p.grad), "the parameter",
+                                   local_tensor(p))
         return _Plan(candidate, synced, bindings, repack)
 
     def _check_grad(self, flat: FlatBuffer, i: int, gi: int) -> None:
@@ -238,7 +282,7 @@ class LayoutMixin:
                 sources["kahan_comp"] = flat.views(flat.kahan)
             for i, gindex in enumerate(flat.indices):
                 carried[gindex] = ({k: v[i] for k, v in sources.items()}, counts[i])
-        members = sorted(set(carried) | {i for i in layout.frozen if group["params"][i].requires_grad or i in include})
+        members = sorted(set(carried) | {i for i in layout.frozen if i in include or _wants_packing(group["params"][i])})
         layout.frozen = [i for i in range(len(group["params"])) if i not in set(members)]
         old = layout.buffers
         layout.buffers = self._pack(group, members)
@@ -263,7 +307,7 @@ class LayoutMixin:
         """Re-pack groups whose parameters were moved, cast or unfrozen (``zero_grad``, ``state_dict``, loads)."""
         full = self.checks == "full"
         for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):
-            repack = bool(layout.frozen) and any(group["params"][i].requires_grad for i in layout.frozen)
+            repack = self._unfrozen(group, layout)
             moved = [(flat, flat.rebound()) for flat in layout.buffers if flat.moved(full)]
             for flat, rebound in moved:
                 for i in rebound:

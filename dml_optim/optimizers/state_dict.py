@@ -106,6 +106,7 @@ def param_state(opt, flat: FlatBuffer, i: int, count: int) -> dict[str, Any]:
 def save(opt) -> dict[str, Any]:
     """The state dict of ``opt`` (see the module docstring)."""
     opt._follow()
+    opt._settle_all()  # a scheduler may have written torch's names since the last step
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
