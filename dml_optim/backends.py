@@ -32,7 +32,7 @@ import torch
 from dml_optim import compiled as _compiled
 from dml_optim.options import BACKENDS
 
-__all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "resolve", "runner_for", "resolved_backend", "resolved_backends"]
+__all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "resolve", "runner_for", "compiles", "resolved_backend", "resolved_backends"]
 
 #: ``backend="auto"`` compiles a flat buffer from this many elements on.
 AUTO_COMPILE_MIN_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 20}
@@ -69,29 +69,37 @@ def resolve(backend: str, device, numel: int) -> str:
     return "compiled" if threshold is not None and numel >= threshold else "eager"
 
 
-def runner_for(opt, group: dict[str, Any], flat):
-    """The compiled runner of ``opt`` for ``flat``, or None when the buffer runs eager.
+def runner_for(opt, group: dict[str, Any], flat) -> tuple[_compiled.KernelRunner | None, tuple | None]:
+    """``(runner, key)``: the compiled runner of ``opt`` for ``flat`` and the kernel key of this step,
+    or ``(None, None)`` when the buffer runs eager now.
 
     An explicit ``backend="compiled"`` that cannot compile here warns once per
-    optimizer and returns None.
+    optimizer and runs eager.
     """
     backend = group["backend"]
     if backend == "eager" or _compiled.fell_back(opt) is not None:
-        return None
+        return None, None
     if _compiled._is_compiling() or (_compiled._dispatch_mode_active() and not _compiled._counting_kernels()):
-        return None  # the eager rule, so a dispatch mode sees real ops (not a warning: meant to happen)
+        return None, None  # the eager rule, so a dispatch mode sees real ops (not a warning: meant to happen)
     if resolve(backend, flat.device, flat.numel) == "eager":
         if backend == "compiled":
             _compiled.fall_back(opt, flat.device, _compiled.compile_available(flat.device.type)[1])
-        return None
+        return None, None
     runner = _RUNNERS.get(opt)
     if runner is None:
         runner = _RUNNERS[opt] = _compiled.KernelRunner(opt)
-    reason = _compiled._BROKEN.get(runner.key(group, flat))
+    key = runner.key(group, flat)
+    reason = _compiled._BROKEN.get(key)
     if reason is not None:  # another optimizer found this kernel broken: this one is told too, once
         _compiled.fall_back(opt, flat.device, reason)
-        return None
-    return runner
+        return None, None
+    return runner, key
+
+
+def compiles(opt, group: dict[str, Any], flat) -> bool:
+    """Whether ``flat`` is a compiled buffer (its memory policy: no scratch), cheaply."""
+    return (group["backend"] in ("auto", "compiled") and _compiled.fell_back(opt) is None
+            and resolve(group["backend"], flat.device, flat.numel) == "compiled")
 
 
 def resolved_backend(opt, group: dict[str, Any], flat) -> str:

@@ -309,12 +309,13 @@ class KernelRunner:
             out.append(slot[1])
         return out
 
-    def __call__(self, group, flat, c, finite) -> bool:
+    def __call__(self, group, flat, c, finite, key: tuple | None = None) -> bool:
+        """Run class ``c`` of ``flat``; ``key``: this step's :meth:`key` when the caller has it."""
         opt = self.opt_ref()
         counting = _counting_kernels()
         if opt is None or opt in _FALLEN_BACK or _is_compiling() or (_dispatch_mode_active() and counting is None):
             return False
-        key = self.key(group, flat)
+        key = key if key is not None else self.key(group, flat)
         if finite is not None:
             key = key[:4] + (True,) + key[5:]
         if key[6] and not _emulates_casts():

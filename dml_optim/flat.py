@@ -111,15 +111,17 @@ def pack_values(sources: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
     holds about one copy at the peak instead of two.  If anything fails, the
     rebound tensors get their original storage back.
     """
-    staged: list[torch.Tensor] | None = None
-    originals = [t.data for t in rebind] if rebind is not None else None
+    # the originals are kept for a rollback only when copying directly: staging must let them go
+    originals = [t.data for t in rebind] if rebind is not None and not via_host else None
+    homes = [t.device for t in rebind] if rebind is not None else None
     try:
         with torch.no_grad():
             if via_host:
                 staged = [s.detach().to("cpu", copy=True) for s in sources]
+                del sources
                 if rebind is not None:
                     for t, s in zip(rebind, staged):
-                        t.data = s.view(t.shape)
+                        t.data = s.view(t.shape)  # the device storage is released here
                 sources = staged
             flat = torch.empty(numel, dtype=dtype, device=device)
             offset = 0
@@ -132,9 +134,14 @@ def pack_values(sources: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
                 offset += n
             return flat
     except BaseException:
-        if rebind is not None:
+        if rebind is not None and originals is not None:
             for t, original in zip(rebind, originals):
                 t.data = original
+        elif rebind is not None:  # staged: put every parameter back on its device, from its host copy
+            with torch.no_grad():
+                for t, home in zip(rebind, homes):
+                    if t.device != home:
+                        t.data = t.data.to(home)
         raise
 
 

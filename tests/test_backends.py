@@ -489,4 +489,4 @@ def test_a_captured_training_step_replays_like_eager(name, backend):
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert_close(p.detach(), q.detach())
     steps = {float(s["step"]) for s in opts[0].state_dict()["state"].values()}
-    assert steps == {float(3 + 1 + 25)}  # warm-up + the capture run + replays, counted on the device
+    assert steps == {float(3 + 25)}  # warm-up + replays, counted on the device (capturing runs no kernel)

@@ -138,14 +138,14 @@ class EngineMixin:
 
     def _run(self, work, gate: Callable[[dict, FlatBuffer], torch.Tensor | None]) -> None:
         """Plan every class update (checks and host coefficients), then commit them."""
-        from dml_optim.backends import resolved_backend, runner_for
+        from dml_optim.backends import compiles, runner_for
 
         cls = type(self)
         planned = []
         for group, flat in work:
             finite = gate(group, flat)
-            runner = runner_for(self, group, flat)
-            self._ensure_scratch(group, flat, finite is not None, resolved_backend(self, group, flat) == "compiled")
+            runner, key = runner_for(self, group, flat)
+            self._ensure_scratch(group, flat, finite is not None, runner is not None or compiles(self, group, flat))
             for c in flat.counter.classes:
                 if not c.active:
                     continue
@@ -158,7 +158,7 @@ class EngineMixin:
                     if finite is None and not group["capturable"]:
                         scalars = step_scalars(cls, group, c.count, None)
                         self._check_range(group, flat, scalars)
-                planned.append((group, flat, c, finite, runner, scalars))
+                planned.append((group, flat, c, finite, runner, key, scalars))
         self._commit(work, planned)
 
     def _check_range(self, group, flat: FlatBuffer, scalars: dict[str, Any]) -> None:
@@ -182,8 +182,8 @@ class EngineMixin:
         snapshot = self._snapshot(work) if self.atomic else None
         done = 0
         try:
-            for group, flat, c, finite, runner, scalars in planned:
-                if runner is None or not runner(group, flat, c, finite):
+            for group, flat, c, finite, runner, key, scalars in planned:
+                if runner is None or not runner(group, flat, c, finite, key):
                     self._apply_eager(group, flat, c, finite, scalars)
                 done += 1
             for _, flat in work:
@@ -201,7 +201,7 @@ class EngineMixin:
                 )
             raise
         for group, flat in work:
-            gated = group["capturable"] or any(f is not None for g, fl, _, f, _, _ in planned if fl is flat)
+            gated = group["capturable"] or any(f is not None for g, fl, _, f, _, _, _ in planned if fl is flat)
             flat.counter.advance(gated)
             if group["capturable"]:
                 flat.counter.forget_host_counts()
