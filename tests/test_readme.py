@@ -118,7 +118,7 @@ def test_swap_example_runs():
     namespace: dict = {}
     exec(compile(code.group(1), "README.md", "exec"), namespace)
     opt = namespace["opt"]
-    assert type(opt).__name__ == "DmlAdam" and opt.state_dict()["state"][0]["step"].item() == 10
+    assert type(opt).__name__ == "AdamW" and opt.state_dict()["state"][0]["step"].item() == 10
 
 
 def test_readme_states_the_epsilon_placement_and_cites_the_directml_issues():
@@ -235,7 +235,8 @@ def test_hyperparameter_passing_is_described_as_it_is():
 
 
 def test_mixed_precision_op_counts_are_the_measured_ones():
-    from dml_optim.training import OPTIMIZERS, TrainConfig, train
+    from dml_optim.optimizers.registry import NAMES as OPTIMIZERS
+    from dml_optim.training import TrainConfig, train
 
     limitations = _section(README.read_text(), "Limitations")
     low, high = map(int, re.search(r"about (\d+) to (\d+) ops per flat buffer", limitations).groups())
