@@ -77,11 +77,14 @@ def step_scalars(cls, hyper: Mapping[str, Any], T, finite: torch.Tensor | None,
     return scalars
 
 
-def conversion_count(needs: bool, kahan: bool, n_states: int) -> int:
-    """How many operand-sized buffers :func:`run_rule` needs in chunked (eager) mode."""
-    if not needs:
-        return 0
-    return 2 + n_states + (2 if kahan else 0)
+def conversion_count(x: torch.dtype, g: torch.dtype, states: Sequence[torch.dtype], compute_dtype: torch.dtype,
+                     kahan: bool) -> int:
+    """How many operand-sized buffers :func:`run_rule` uses in chunked (eager) mode: one per operand
+    converted to ``compute_dtype``, and with Kahan summation the updated parameters, their old value
+    and the compensation (FP16 x with FP32 states: 4; master weights with FP32 states: 1)."""
+    if kahan:
+        return 3 + (g != compute_dtype) + sum(s != compute_dtype for s in states)
+    return (x != compute_dtype) + (g != compute_dtype) + sum(s != compute_dtype for s in states)
 
 
 def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tensor], scalars: Mapping[str, Any], *,

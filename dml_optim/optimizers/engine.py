@@ -98,11 +98,14 @@ class EngineMixin:
             return
         converts = self._converts(group, flat)
         size = min(flat.numel, CHUNK_ELEMENTS) if converts else flat.numel
+        cdtype = self._compute_dtype(group, flat.dtype)
         count = type(self).scratch_count(group, gated)
-        count += conversion_count(converts, group["kahan"], len(flat.states))
+        if converts:
+            x = flat.master if flat.master is not None else flat.data
+            count += conversion_count(x.dtype, flat.dtype, [s.dtype for s in flat.states.values()], cdtype,
+                                      group["kahan"])
         if len(flat.scratch) == count and all(len(s) == size for s in flat.scratch):
             return
-        cdtype = self._compute_dtype(group, flat.dtype)
         flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(count)]
 
     @staticmethod
