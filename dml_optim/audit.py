@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -68,8 +68,6 @@ __all__ = [
     "audit_step",
     "audit_call",
     "audit_torch_equivalent",
-    "make_optimizer",
-    "torch_equivalent",
     "HOST_SYNC_OPS",
     "CPU_STEP_READS_NOTE",
 ]
@@ -459,37 +457,22 @@ def _report(optimizer, recorder: _Recorder, counters: set[int]) -> AuditReport:
 
 
 # --------------------------------------------------------------------------
-# building ours and the torch.optim equivalent (the registry's)
+# the torch.optim equivalent (the registry's)
 # --------------------------------------------------------------------------
-
-
-def make_optimizer(name: str, params: Iterable, *, backend: str = "eager", **hyper) -> torch.optim.Optimizer:
-    """The registry's optimizer ``name`` with ``backend="eager"`` by default: the op chain DirectML
-    runs (``"auto"`` may compile large buffers on CPU/CUDA, which :func:`audit_step` refuses)."""
-    from dml_optim.optimizers.registry import build, check_hyperparameters
-
-    check_hyperparameters(name, hyper)
-    return build(name, params, backend=backend, **hyper)
-
-
-def torch_equivalent(name: str, params: Iterable, *, foreach: bool | None = True, fused: bool | None = None,
-                     **hyper) -> torch.optim.Optimizer:
-    """The registry's nearest torch.optim twin of ``name`` (see
-    :func:`dml_optim.optimizers.registry.torch_equivalent`)."""
-    from dml_optim.optimizers.registry import torch_equivalent as twin
-
-    return twin(name, params, foreach=foreach, fused=fused, **hyper)
 
 
 def audit_torch_equivalent(name: str, params: Sequence[torch.Tensor], *, foreach: bool | None = True,
                            fused: bool | None = None, warmup: int = 1, **hyper) -> AuditReport:
-    """Audit one step of the torch.optim equivalent of ``name`` (see :func:`torch_equivalent`).
+    """Audit one step of the torch.optim equivalent of ``name``
+    (:func:`dml_optim.optimizers.registry.torch_equivalent`, the nearest twin).
 
     ``params`` must have gradients.  ``warmup`` steps run first (unrecorded),
     so the audited step is a steady-state one (states already allocated).
     """
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+    from dml_optim.optimizers.registry import torch_equivalent
+
     opt = torch_equivalent(name, params, foreach=foreach, fused=fused, **hyper)
     for _ in range(warmup):
         opt.step()

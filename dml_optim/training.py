@@ -11,8 +11,8 @@ fallbacks, from :func:`dml_optim.audit.audit_step`).  Two runs with the same
 Precision (``TrainConfig.dtype``):
 
 * ``float32``: FP32 parameters, gradients and optimizer state.
-* ``float16``: FP16 parameters, gradients and state, no loss scaling.  Adam,
-  DmlAdam and Adagrad use ``epsilon = 1e-4`` (:data:`FP16_EPSILON`): the FP32
+* ``float16``: FP16 parameters, gradients and state, no loss scaling.  An
+  optimizer with an epsilon uses ``1e-4`` (:data:`FP16_EPSILON`): the FP32
   defaults (1e-6, 1e-8, 1e-10) are at or below FP16's subnormal range.  The
   loss is computed in FP32 from FP16 logits.
 * ``mixed``: FP16 parameters and gradients; ours keeps an FP32 master copy and
@@ -34,23 +34,21 @@ import torch
 import torch.nn.functional as nnf
 
 from dml_optim import toy
+from dml_optim.optimizers import registry
+from dml_optim.precision import epsilon_name
 
 __all__ = [
-    "OPTIMIZERS", "DTYPES", "DEVICES", "DEFAULT_LR", "DEFAULT_STEPS", "DEFAULT_BATCH_SIZE", "FP16_EPSILON",
+    "DTYPES", "DEVICES", "DEFAULT_STEPS", "DEFAULT_BATCH_SIZE", "FP16_EPSILON",
     "TrainConfig", "RunResult", "resolve_device", "optimizer_hyperparameters", "train",
 ]
 
-#: ``--optimizer`` choices (the names of :func:`dml_optim.audit.make_optimizer`).
-OPTIMIZERS = ("adam", "dml-adam", "adagrad", "momentum")
 #: ``--dtype`` choices.
 DTYPES = ("float32", "float16", "mixed")
 #: ``--device`` choices.
 DEVICES = ("auto", "cpu", "cuda", "privateuseone")
-#: Learning rates that train the toy model well in :data:`DEFAULT_STEPS` steps.
-DEFAULT_LR = {"adam": 3e-3, "dml-adam": 3e-3, "adagrad": 3e-2, "momentum": 5e-2}
 DEFAULT_STEPS = 1000
 DEFAULT_BATCH_SIZE = 128
-#: Epsilon of Adam and DmlAdam with FP16 state (``--dtype float16``).
+#: Epsilon of every optimizer that has one, with FP16 state (``--dtype float16``).
 FP16_EPSILON = 1e-4
 #: How many loss values :attr:`RunResult.loss_curve` keeps (evenly spaced).
 CURVE_POINTS = 21
@@ -63,7 +61,8 @@ def _positive_int(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """What to train and how.  ``lr=None`` means ``DEFAULT_LR[optimizer]``."""
+    """What to train and how: ``optimizer`` is a registry name; ``lr=None`` means its ``spec.train_lr``
+    (a rate that trains the toy model well in :data:`DEFAULT_STEPS` steps)."""
 
     optimizer: str = "adam"
     lr: float | None = None
@@ -77,15 +76,14 @@ class TrainConfig:
 
     def validated(self) -> "TrainConfig":
         """This config with ``lr`` filled in; ``ValueError`` naming the bad field otherwise."""
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        spec = registry.spec(self.optimizer)  # ValueError listing the names
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("steps", "batch_size", "hidden", "n_train", "n_test"):
             _positive_int(name, getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        lr = DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+        lr = spec.train_lr if self.lr is None else self.lr
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
         return replace(self, lr=float(lr))
@@ -182,39 +180,28 @@ def _synchronize(device: torch.device, probe: torch.Tensor) -> None:
 def optimizer_hyperparameters(config: TrainConfig) -> dict[str, Any]:
     """Hyperparameters passed to our optimizer (and mapped to torch.optim's) for ``config``.
 
-    ``lr`` always; in ``float16``, ``epsilon = FP16_EPSILON`` for Adam, DmlAdam
-    and Adagrad (their defaults 1e-6, 1e-8, 1e-10 round to or near 0 in FP16;
-    Adagrad then computes ``0 / (0 + 0)`` = NaN for a parameter whose
-    gradients have all been 0).  Momentum has no epsilon.
+    ``lr`` always; in ``float16``, the optimizer's epsilon (AdamW's ``eps``)
+    is :data:`FP16_EPSILON`: the defaults (1e-6, 1e-8, 1e-10) round to or
+    near 0 in FP16, and Adagrad then computes ``0 / (0 + 0)`` = NaN for a
+    parameter whose gradients have all been 0.  Momentum has no epsilon.
     """
     config = config.validated()
     hyper: dict[str, Any] = {"lr": config.lr}
-    if config.dtype == "float16" and config.optimizer in ("adam", "dml-adam", "adagrad"):
-        hyper["epsilon"] = FP16_EPSILON
+    eps = epsilon_name(config.optimizer)
+    if config.dtype == "float16" and eps is not None:
+        hyper[eps] = FP16_EPSILON
     return hyper
 
 
-def _build_optimizer(config: TrainConfig, params, impl: str) -> torch.optim.Optimizer:
-    from dml_optim import audit
-
-    hyper = optimizer_hyperparameters(config)
-    if impl == "torch":
-        # foreach=True: what torch 2.4 picks on a DirectML device (and fine on CPU/CUDA).
-        return audit.torch_equivalent(config.optimizer, params, foreach=True, **hyper)
-    import dml_optim
-
-    cls = {"adam": dml_optim.Adam, "dml-adam": dml_optim.DmlAdam, "adagrad": dml_optim.Adagrad,
-           "momentum": dml_optim.Momentum}[config.optimizer]
-    lr = hyper.pop("lr")
-    # mixed: an FP32 master copy of the FP16 parameters, and FP32 state.
-    return cls(params, lr, master_weights=config.dtype == "mixed", **hyper)
-
-
 def _describe_hyperparameters(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The first param group's settings as plain values; in ours, torch.optim's names of the same values
+    (kept in our groups for schedulers, e.g. ``betas``) are left out: they repeat ours."""
     group = opt.param_groups[0]
+    spec = getattr(type(opt), "spec", None)
+    repeated = set(spec.torch_names) if spec is not None else set()
     out = {}
     for key, value in group.items():
-        if key == "params":
+        if key == "params" or key in repeated:
             continue
         if isinstance(value, torch.dtype):
             value = str(value).replace("torch.", "")
@@ -316,7 +303,11 @@ def train(
     model = toy.make_model(config.seed, config.hidden, device=device, dtype=param_dtype)
     gen = torch.Generator().manual_seed(config.seed + 1)
     batches = torch.randint(0, config.n_train, (config.steps, config.batch_size), generator=gen).to(device)
-    opt = _build_optimizer(config, model.parameters(), impl)
+    hyper = optimizer_hyperparameters(config)
+    if impl == "torch":  # foreach=True: what torch 2.4 picks on a DirectML device (and fine on CPU/CUDA)
+        opt = registry.torch_equivalent(config.optimizer, model.parameters(), foreach=True, **hyper)
+    else:  # mixed: an FP32 master copy of the FP16 parameters, and FP32 state
+        opt = registry.build(config.optimizer, model.parameters(), master_weights=mixed, **hyper)
     scaler = _make_scaler(device, mixed, torch_amp)
     probe = next(model.parameters())
 

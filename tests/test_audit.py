@@ -22,11 +22,10 @@ from dml_optim.audit import (
     AuditReport,
     audit_step,
     audit_torch_equivalent,
-    make_optimizer,
-    torch_equivalent,
 )
 from dml_optim.cli import main
 from dml_optim.inventory import models_dir, resolve_model
+from dml_optim.optimizers.registry import build, torch_equivalent
 
 OPS_PER_FLAT_BUFFER = 12
 
@@ -73,7 +72,7 @@ def _assert_budget(report: AuditReport) -> None:
 @pytest.mark.parametrize("name,hyper", _budget_params())
 def test_our_step_is_within_the_budget(name, hyper):
     shapes = _shapes()
-    opt = make_optimizer(name, _params(shapes), **hyper)
+    opt = build(name, _params(shapes), backend="eager", **hyper)
     opt.step()  # the first step allocates states and scratch
     report = audit_step(opt)
     assert report.flat_buffers == 1 and report.num_tensors == len(shapes)
@@ -93,7 +92,7 @@ def test_budget_scales_with_flat_buffers_not_tensors():
 
 def test_first_step_allocations_are_counted():
     """The audit sees allocations: the first step creates states and scratch."""
-    opt = make_optimizer("adam", _params([(3, 4), (5,)]))
+    opt = build("adam", _params([(3, 4), (5,)]), backend="eager")
     report = audit_step(opt)
     assert report.allocations >= 3  # exp_avg, exp_avg_sq, scratch
     assert report.allocated_bytes >= 3 * 17 * 4
@@ -187,7 +186,7 @@ def test_compiled_backend_is_refused():
 
 
 def test_report_formats_and_serialises():
-    opt = make_optimizer("momentum", _params([(3, 3), (2,)]))
+    opt = build("momentum", _params([(3, 3), (2,)]), backend="eager")
     opt.step()
     report = audit_step(opt)
     d = json.loads(json.dumps(report.to_dict()))
@@ -212,7 +211,7 @@ def test_torch_equivalent_mapping_and_errors():
     with pytest.raises(TypeError, match="betas"):
         torch_equivalent("adam", p, betas=(0.9, 0.99))
     with pytest.raises(ValueError, match="name"):
-        make_optimizer("sgd", p)
+        build("sgd", p)
 
 
 # --------------------------------------------------------------------------

@@ -28,16 +28,18 @@ def dml_adam_report():
 def test_compare_has_every_metric_for_every_configuration(dml_adam_report):
     rep = dml_adam_report
     pairs = {(r.config, r.stream) for r in rep.results}
-    assert pairs == {(c, s) for c in ("fp32", "fp16", "fp16-fp32compute", "fp16-master") for s in ("recorded", "synthetic")}
+    assert pairs == {(c, s) for c in ("fp32", "fp16", "fp16-fp32compute", "fp16-master", "fp16-kahan")
+                     for s in ("recorded", "synthetic")}
     for r in rep.results:
         assert set(r.metrics) == set(P.METRICS)
         assert len(r.curve) == 6
-    assert {s["config"] for s in rep.skipped} == {"bf16"}
+    assert {s["config"] for s in rep.skipped} == {"bf16", "bf16-kahan"}  # DmlAdam: FLOAT32 or FLOAT16, as DirectML
     recorded = {r.config: r.metrics for r in rep.results if r.stream == "recorded"}
     assert recorded["fp16"]["first_nonfinite_step"] == 1  # epsilon 1e-8 is 0 in FP16
     assert recorded["fp32"]["final_loss"] is not None and math.isfinite(recorded["fp32"]["final_loss"])
     assert any("epsilon 1e-08 is 0 in FP16" in f for f in rep.findings)
     assert any(f.startswith("`bf16` skipped") for f in rep.findings)
+    assert "dml_optim.Adam with alpha=beta1" in rep.reference  # DmlAdam has no float64: ONNX Adam is its reference
 
 
 def test_synthetic_stream_spans_1e_8_to_1e2():
@@ -69,12 +71,17 @@ def test_compare_command_writes_report_json_and_png(tmp_path, capsys):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     doc = json.loads((tmp_path / "report.json").read_text())
     n_configs, n_streams = len(doc["configs"]), len(doc["streams"])
-    assert (n_configs, n_streams) == (5, 2)
+    assert (n_configs, n_streams) == (7, 2)
+    assert [c["name"] for c in doc["configs"]] == list(P.CONFIGS)
+    assert doc["command"] == ("dml-optim compare --optimizer adam --workload mlp --steps 4 --seed 0 "
+                              f"--streams recorded,synthetic --configs {','.join(P.CONFIGS)}")
     assert doc["plot"]["lines"] == n_configs * n_streams
     assert len(doc["results"]) == n_configs * n_streams
     for r in doc["results"]:
         assert set(r["metrics"]) == set(P.METRICS)
-    assert "![relative error per step](divergence.png)" in (tmp_path / "report.md").read_text()
+    markdown = (tmp_path / "report.md").read_text()
+    assert "![relative error per step](divergence.png)" in markdown
+    assert f"Command: `{doc['command']}`" in markdown
 
 
 def test_compare_command_on_an_inventory(tmp_path):
@@ -113,6 +120,37 @@ def test_findings_follow_the_numbers():
     assert "every |g| below 0.0055" in flushed[0]  # sqrt(2**-25 / (1 - 0.999))
     lost = [f for f in rep.findings if "lost to rounding" in f]
     assert [f.split(" ")[0] for f in lost] == (["`fp16`"] if m["fp16"]["lost_update_fraction"] >= 0.01 else [])
+
+
+def test_kahan_findings_quote_fp32_and_fp16_master():
+    rep = P.compare("adam", steps=5, seed=2, configs=["fp32", "fp16", "fp16-master", "fp16-kahan"], streams=["synthetic"])
+    m = {r.config: r.metrics for r in rep.results}
+    kahan = [f for f in rep.findings if f.startswith("`fp16-kahan` (synthetic stream): FP16 parameters plus")]
+    assert len(kahan) == 1
+    text = kahan[0]
+    assert "2-byte compensation buffer" in text and "FP32 master weights take 4" in text
+    for name in ("fp16-kahan", "fp32", "fp16-master"):
+        assert f"{m[name]['final_rel_error']:.3g}" in text, name
+    ratio = m["fp16-kahan"]["final_rel_error"] / m["fp16-master"]["final_rel_error"]
+    assert f"({ratio:.2f} times `fp16-master`'s)" in text
+    assert f"plain `fp16` on the same stream ends at {m['fp16']['final_rel_error']:.3g}" in text
+    # Kahan carries the updates FP16 rounding drops: no "lost to rounding" finding for it, one for plain fp16
+    assert [f.split(" ")[0] for f in rep.findings if "lost to rounding" in f] == (
+        ["`fp16`"] if m["fp16"]["lost_update_fraction"] >= 0.01 else [])
+
+
+def test_compare_adamw_names_its_epsilon_eps(tmp_path):
+    # AdamW calls its epsilon eps: --epsilon sets it, and the FP16 finding names it
+    rep = P.compare("adamw", steps=2, configs=["fp16"], streams=["synthetic"])
+    assert rep.hyperparameters["eps"] == 1e-8 and rep.hyperparameters["weight_decay"] == 0.01
+    assert any(f.startswith("`fp16` (synthetic stream): eps 1e-08 is 0 in FP16") for f in rep.findings)
+    assert main(["compare", "--optimizer", "adamw", "--epsilon", "1e-4", "--steps", "2", "--configs", "fp16,fp16-kahan",
+                 "--streams", "recorded", "--out", str(tmp_path), "--no-progress"]) == 0
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["hyperparameters"]["eps"] == 1e-4 and "epsilon" not in doc["hyperparameters"]
+    assert doc["command"].endswith("--configs fp16,fp16-kahan --epsilon 0.0001")
+    assert doc["streams"][0]["name"] == "recorded" and "FP32 adamw training run" in doc["streams"][0]["description"]
+    assert {r["config"] for r in doc["results"]} == {"fp16", "fp16-kahan"}
 
 
 def test_report_json_is_strict_json_with_nan_as_strings(tmp_path):

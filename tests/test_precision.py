@@ -22,8 +22,9 @@ import torch
 import dml_optim
 import dml_optim.optimizers.engine as engine
 from dml_optim import precision as P
+from dml_optim.optimizers.registry import NAMES
 from tolerances import TOL
-from introspect import buffers, runs_in_chunks
+from introspect import buffers
 
 F16_TINY = 2.0**-24
 
@@ -149,6 +150,68 @@ def test_gradient_underflow_fraction():
     assert res["fp32"].metrics["grad_underflow_fraction"] == 0.0
 
 
+def test_kahan_keeps_the_updates_fp16_rounds_away():
+    # plain SGD (Momentum, alpha 0, lr 1): each step subtracts the FP16 gradient 1e-4 (stored as 1.0002e-4).
+    # By hand: at 1.0 half an FP16 ULP below is 2**-12 = 2.44e-4, so plain FP16 never moves (every update lost),
+    # while Kahan's compensation sums the steps and moves the parameter once they pass half an ULP:
+    # after 50 steps it is within one FP16 ULP below 1.0 (2**-11) of 1 - 50 * 1.0002e-4 = 0.9949990.
+    stream = _stream([1.0], [[1e-4]] * 50)
+    res, _ = _run("momentum", stream, ["fp16", "fp16-master", "fp16-kahan"], {"lr": 1.0, "alpha": 0.0})
+    target = 1.0 - 50 * float(torch.tensor(1e-4, dtype=torch.float16))
+    fp16, kahan = res["fp16"].metrics, res["fp16-kahan"].metrics
+    assert fp16["lost_update_fraction"] == 1.0
+    assert res["fp16"].curve[-1] == pytest.approx((1.0 - target) / target, rel=1e-3)  # stayed at 1.0
+    assert res["fp16-kahan"].curve[-1] * target <= 2.0**-11
+    assert res["fp16-master"].curve[-1] * target <= 2.0**-12  # master: FP32 sum, then rounded once
+    # the parameter moved roughly once per ULP's worth of steps: most updates held back in the compensation
+    assert 0.6 < kahan["lost_update_fraction"] < 1.0
+
+
+def test_kahan_configurations_allocate_a_compensation_buffer_in_the_parameter_dtype():
+    for name, dtype in (("fp16-kahan", torch.float16), ("bf16-kahan", torch.bfloat16)):
+        config = P.CONFIGS[name]
+        assert config.stored_state_dtype == torch.float32 and config.arithmetic_dtype == torch.float32
+        opt = P.make_optimizer("adam", [torch.nn.Parameter(torch.ones(10, dtype=dtype))], config)
+        opt.param_groups[0]["params"][0].grad = torch.full((10,), 1e-3, dtype=dtype)
+        opt.step()
+        flat = buffers(opt)[0]
+        assert flat.kahan is not None and flat.kahan.dtype == dtype and flat.master is None
+        assert all(s.dtype == torch.float32 for s in flat.states.values())
+    fp16, compute = P.CONFIGS["fp16"], P.CONFIGS["fp16-fp32compute"]
+    assert (fp16.stored_state_dtype, fp16.arithmetic_dtype) == (torch.float16, torch.float16)
+    assert (compute.stored_state_dtype, compute.arithmetic_dtype) == (torch.float16, torch.float32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_second_moment_is_the_state_that_accumulates_g_squared(name):
+    # v = b * v + (1 - b) * g * g (Adam family, b the named decay) or sum += g * g (Adagrad):
+    # one step from zero state with g = 2 and b = 0.5 leaves 2 (or 4) in the named state
+    state, decay = P.second_moment(name)
+    if name == "momentum":
+        assert (state, decay) == (None, None)
+        return
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = P.make_optimizer(name, [p], P.CONFIGS["fp32"], {decay: 0.5} if decay else None)
+    p.grad = torch.full((3,), 2.0)
+    opt.step()
+    assert opt.state[p][state].tolist() == [2.0 if decay else 4.0] * 3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_epsilon_name_is_what_keeps_a_zero_gradient_finite(name):
+    # with zero gradient and zero state the update is 0 / (0 + epsilon): 0 with epsilon > 0, NaN with 0
+    eps = P.epsilon_name(name)
+    if name == "momentum":
+        assert eps is None
+        return
+    for value, finite in ((1e-8, True), (0.0, False)):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = P.make_optimizer(name, [p], P.CONFIGS["fp32"], {eps: value})
+        p.grad = torch.zeros(3)
+        opt.step()
+        assert bool(torch.isfinite(p).all()) is finite, (name, eps, value)
+
+
 def test_relative_error_curve_matches_its_definition():
     stream = _stream([0.5, -0.25, 0.125], [[0.3, -0.2, 0.1], [0.1, 0.1, 0.1]])
     res, _ = _run("adam", stream, ["bf16"])
@@ -181,7 +244,7 @@ def _fp16_run(name: str, numel: int, steps: int, **options):
     return flat, [flat.data.clone()] + [s.clone() for s in flat.states.values()]
 
 
-@pytest.mark.parametrize("name", ["adam", "dml-adam", "adagrad", "momentum"])
+@pytest.mark.parametrize("name", NAMES)
 def test_chunked_fp32_compute_equals_unchunked_exactly(monkeypatch, name):
     numel = 5000
     monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 1 << 30)

@@ -28,6 +28,7 @@ torch 2.4 uses on a DirectML (privateuseone) device:
 
   adam      dml_optim.Adam     vs torch.optim.Adam(betas=(alpha, beta))
   dml-adam  dml_optim.DmlAdam  vs torch.optim.Adam(betas=(beta1, beta2))
+  adamw     dml_optim.AdamW    vs torch.optim.AdamW (the same signature)
   adagrad   dml_optim.Adagrad  vs torch.optim.Adagrad
   momentum  dml_optim.Momentum vs torch.optim.SGD(momentum=alpha, dampening=1-beta)
 
@@ -48,6 +49,7 @@ many-small; many-small-N, one-Nk, one-Nm) or the path of an inventory JSON file.
 examples:
   dml-optim audit --optimizer adam
   dml-optim audit --optimizer dml-adam --model resnet50
+  dml-optim audit --optimizer adamw --model bert-base-uncased
   dml-optim audit --optimizer momentum --model gpt2 --json
   dml-optim audit --optimizer adagrad --model my-model.json
 """
@@ -93,10 +95,12 @@ def _params(shapes, seed: int):
 
 
 def _audit(kind: str, name: str, shapes, seed: int):
-    from dml_optim.audit import audit_step, make_optimizer, torch_equivalent
+    from dml_optim.audit import audit_step
+    from dml_optim.optimizers.registry import build, torch_equivalent
 
     params = _params(shapes, seed)
-    opt = make_optimizer(name, params) if kind == "ours" else torch_equivalent(name, params, foreach=True)
+    # ours: the eager op chain DirectML runs ("auto" may compile large buffers on CPU/CUDA, which the audit refuses)
+    opt = build(name, params, backend="eager") if kind == "ours" else torch_equivalent(name, params, foreach=True)
     opt.step()  # warm-up: states allocated, step counters past their first value
     report = audit_step(opt)
     del opt, params

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -22,15 +23,17 @@ from dml_optim.console import DEFAULT_OUTPUT_DIR
 
 HELP = "compare FP16/BF16 optimizer configurations against a float64 reference"
 DESCRIPTION = """Feed one identical gradient stream through every precision configuration
-(fp32, fp16, fp16-fp32compute, fp16-master, bf16) and a float64 reference, and report
-how far each drifts: relative error, ULP distance, NaN/Inf, lost updates, flushed
-second moments, gradient underflow, final loss, and plain-language findings."""
+({configs}) and a float64 reference, and report how far each drifts: relative error,
+ULP distance, NaN/Inf, lost updates, flushed second moments, gradient underflow, final
+loss, and plain-language findings (among them what FP32 master weights and Kahan
+compensation keep, and at what memory)."""
 EXAMPLES = f"""examples:
   dml-optim compare                                        # adam on the built-in MLP, 200 steps
   dml-optim compare --optimizer dml-adam --out my-report   # DirectML's rule (epsilon 1e-8)
   dml-optim compare --optimizer dml-adam --epsilon 1e-4
+  dml-optim compare --optimizer adamw --configs fp32,fp16-master,fp16-kahan
   dml-optim compare --workload resnet50 --steps 5          # a built-in model's shapes (~7 GB of memory)
-  dml-optim compare --workload gpt2 --steps 3              # slow: 124M parameters, ~33 GB of memory
+  dml-optim compare --workload gpt2 --steps 3              # slow: 124M parameters, ~32 GB of memory
   dml-optim compare --workload my-model.json               # an inventory file
 
 workloads: mlp (the built-in model), a built-in model name (resnet50, gpt2,
@@ -41,16 +44,18 @@ writes DIR/report.md, DIR/report.json and DIR/divergence.png (DIR defaults to ./
 """
 
 #: Peak memory per parameter of a run with every configuration, measured: resnet50
-#: (25.6M parameters) peaks at 6.7 GB with the default configurations and streams.
-PEAK_BYTES_PER_PARAMETER = 270
+#: (25.6M parameters) peaks at 6.3 GB (maximum resident set) with the default
+#: configurations (seven) and streams.
+PEAK_BYTES_PER_PARAMETER = 260
 
 
 def add_parser(sub):
-    from dml_optim.precision import CONFIGS, OPTIMIZERS, STREAMS
+    from dml_optim.optimizers.registry import NAMES
+    from dml_optim.precision import CONFIGS, STREAMS
 
-    p = sub.add_parser("compare", help=HELP, description=DESCRIPTION, epilog=EXAMPLES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam", help="update rule (default: adam)")
+    p = sub.add_parser("compare", help=HELP, description=DESCRIPTION.format(configs=", ".join(CONFIGS)),
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--optimizer", choices=NAMES, default="adam", help="update rule (default: adam)")
     p.add_argument("--steps", type=int, default=None,
                    help="steps per stream (default: 200 for mlp; 200/20/3 for models up to 1M/10M/more parameters; "
                         f"a run needs about {PEAK_BYTES_PER_PARAMETER} bytes of memory per parameter)")
@@ -65,7 +70,8 @@ def add_parser(sub):
     p.add_argument("--configs", default=None, metavar="LIST",
                    help=f"comma-separated configurations from {', '.join(CONFIGS)} (default: all)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the optimizer's)")
-    p.add_argument("--epsilon", type=float, default=None, help="epsilon (adam, dml-adam, adagrad; default: the optimizer's)")
+    p.add_argument("--epsilon", type=float, default=None,
+                   help="the optimizer's epsilon (AdamW's eps; Momentum has none; default: the optimizer's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     p.set_defaults(run=run)
     return p
@@ -109,7 +115,7 @@ def _workload(workload: str) -> tuple[str, int, int]:
 
 def _check(args) -> tuple[list[str] | None, list[str] | None, dict]:
     from dml_optim.cli import UsageError
-    from dml_optim.precision import CONFIGS, STREAMS
+    from dml_optim.precision import CONFIGS, STREAMS, epsilon_name
 
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps: bad value {args.steps} (must be >= 1)")
@@ -123,12 +129,24 @@ def _check(args) -> tuple[list[str] | None, list[str] | None, dict]:
             raise UsageError(f"--lr: bad value {args.lr} (must be a finite number >= 0)")
         hyper["lr"] = args.lr
     if args.epsilon is not None:
-        if args.optimizer == "momentum":
-            raise UsageError("--epsilon: momentum has no epsilon")
+        eps = epsilon_name(args.optimizer)
+        if eps is None:
+            raise UsageError(f"--epsilon: {args.optimizer} has no epsilon")
         if not args.epsilon >= 0 or args.epsilon == float("inf"):
             raise UsageError(f"--epsilon: bad value {args.epsilon} (must be a finite number >= 0)")
-        hyper["epsilon"] = args.epsilon
+        hyper[eps] = args.epsilon
     return streams, configs, hyper
+
+
+def _command_line(args, steps: int, streams: list[str], configs: list[str]) -> str:
+    """The command that reproduces a run's numbers: every setting explicit (``--out`` and
+    ``--no-progress`` change no number and are left out)."""
+    words = ["dml-optim", "compare", "--optimizer", args.optimizer, "--workload", args.workload, "--steps", str(steps),
+             "--seed", str(args.seed), "--streams", ",".join(streams), "--configs", ",".join(configs)]
+    for flag, value in (("--lr", args.lr), ("--epsilon", args.epsilon)):
+        if value is not None:
+            words += [flag, f"{value:g}"]
+    return shlex.join(words)
 
 
 def run(args) -> int:
@@ -157,6 +175,7 @@ def run(args) -> int:
     finally:
         if progress is not None:
             progress.close()
+    report.command = _command_line(args, steps, stream_names, config_names)
     png = out / "divergence.png"
     plot_note = None
     try:

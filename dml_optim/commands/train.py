@@ -8,8 +8,11 @@ import math
 import sys
 
 from dml_optim import toy
+from dml_optim.options import OPTION_NAMES
+from dml_optim.optimizers.registry import NAMES, spec
+from dml_optim.precision import epsilon_name
 from dml_optim.training import (
-    DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_STEPS, DEVICES, DTYPES, OPTIMIZERS, RunResult, TrainConfig,
+    DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEVICES, DTYPES, FP16_EPSILON, RunResult, TrainConfig,
 )
 
 HELP = "train a small MLP on built-in data with a dml_optim optimizer (and, optionally, torch.optim)"
@@ -26,17 +29,20 @@ EXAMPLES = f"""\
 examples:
   dml-optim train                              # Adam, {DEFAULT_STEPS} steps, float32
   dml-optim train --optimizer dml-adam --compare-torch
+  dml-optim train --optimizer adamw --compare-torch  # against torch.optim.AdamW
   dml-optim train --dtype float16 --steps 300
   dml-optim train --dtype mixed                # FP16 params, FP32 master weights, loss scaling
   dml-optim train --optimizer momentum --lr 0.1 --json
 
-default learning rates: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_LR.items())}
---dtype float16 uses epsilon 1e-4 for adam, dml-adam and adagrad.
+default learning rates: {', '.join(f'{name} {spec(name).train_lr:g}' for name in NAMES)}
+--dtype float16 sets the epsilon to {FP16_EPSILON:g}: {', '.join(f'{name} {epsilon_name(name)}' for name in NAMES if epsilon_name(name))}.
 """
 
-#: Group keys that describe the implementation, not the update rule (left out of the summary).
-_NOT_MATH = {"backend", "state_dtype", "compute_dtype", "nonfinite", "atomic", "maximize", "capturable",
-             "differentiable", "fused", "amsgrad", "decoupled_weight_decay", "initial_accumulator_value"}
+#: Group keys that describe the implementation, not the update rule (left out of the summary):
+#: our options (``master_weights`` and ``kahan`` are named when on) and torch.optim's flags.
+_NOT_MATH = (set(OPTION_NAMES) - {"master_weights", "kahan"}) | {
+    "maximize", "differentiable", "fused", "amsgrad", "decoupled_weight_decay", "initial_accumulator_value"}
+_NAMED_WHEN_ON = ("master_weights", "kahan")
 
 
 def _arg_type(convert, ok, expected: str):
@@ -64,7 +70,7 @@ _seed = _arg_type(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
 def add_parser(sub):
     p = sub.add_parser("train", help=HELP, description=DESCRIPTION, epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="dml_optim optimizer (default: adam)")
+    p.add_argument("--optimizer", choices=NAMES, default="adam", help="dml_optim optimizer (default: adam)")
     p.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default: per optimizer, see below)")
     p.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, help=f"training steps (default: {DEFAULT_STEPS})")
     p.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
@@ -90,7 +96,7 @@ def add_parser(sub):
 
 def _hyper_text(result: RunResult) -> str:
     items = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-             for k, v in result.hyperparameters.items() if k not in _NOT_MATH and not (k == "master_weights" and not v)]
+             for k, v in result.hyperparameters.items() if k not in _NOT_MATH and not (k in _NAMED_WHEN_ON and not v)]
     return f"{result.optimizer}({', '.join(items)})"
 
 

@@ -1,0 +1,77 @@
+"""The precision configurations ``dml-optim compare`` runs: how parameters, states and arithmetic are stored.
+
+A :class:`Config` is a parameter (storage) dtype plus the optimizer options
+that decide the rest: ``state_dtype``, ``compute_dtype``, ``master_weights``
+(an FP32 copy of the parameters) or ``kahan`` (a compensation buffer in the
+parameters' dtype).  :data:`CONFIGS` lists them in the order reports show
+them.  The dtypes a configuration ends up with are the optimizers' own rules
+(states and arithmetic in FP32 with master weights or Kahan, unless set),
+read from the optimizer base class, not restated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dml_optim.optimizers import FlatOptimizer
+
+__all__ = ["Config", "CONFIGS", "REFERENCE"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A precision configuration: how parameters, states and arithmetic are stored."""
+
+    name: str
+    param_dtype: torch.dtype
+    state_dtype: torch.dtype | None = None
+    compute_dtype: torch.dtype | None = None
+    master_weights: bool = False
+    kahan: bool = False
+    description: str = ""
+
+    def options(self) -> dict[str, Any]:
+        """The optimizer keyword arguments of this configuration."""
+        return dict(state_dtype=self.state_dtype, compute_dtype=self.compute_dtype,
+                    master_weights=self.master_weights, kahan=self.kahan)
+
+    @property
+    def stored_state_dtype(self) -> torch.dtype:
+        """The dtype the optimizer stores its states in (``state_dtype``, or the optimizers' default)."""
+        return FlatOptimizer._state_dtype(self.options(), self.param_dtype)
+
+    @property
+    def arithmetic_dtype(self) -> torch.dtype:
+        """The dtype the update is computed in (``compute_dtype``, or the optimizers' default)."""
+        return FlatOptimizer._compute_dtype(self.options(), self.param_dtype)
+
+    @property
+    def carries_small_updates(self) -> bool:
+        """Updates below half an ULP of the stored parameters are kept (a master copy or a compensation buffer)."""
+        return self.master_weights or self.kahan
+
+
+#: The configurations ``dml-optim compare`` runs, in order.
+CONFIGS: dict[str, Config] = {
+    c.name: c
+    for c in (
+        Config("fp32", torch.float32, description="FP32 parameters, states and arithmetic"),
+        Config("fp16", torch.float16, description="FP16 parameters, states and arithmetic (DirectML's native FP16 path)"),
+        Config("fp16-fp32compute", torch.float16, compute_dtype=torch.float32,
+               description="FP16 parameters and states, FP32 arithmetic in bounded chunks"),
+        Config("fp16-master", torch.float16, master_weights=True,
+               description="FP16 parameters, FP32 master weights, FP32 states and arithmetic"),
+        Config("fp16-kahan", torch.float16, kahan=True,
+               description="FP16 parameters plus an FP16 Kahan compensation buffer, FP32 states and arithmetic"),
+        Config("bf16", torch.bfloat16, description="bfloat16 parameters, states and arithmetic (CPU/CUDA only)"),
+        Config("bf16-kahan", torch.bfloat16, kahan=True,
+               description="bfloat16 parameters plus a bfloat16 Kahan compensation buffer, FP32 states and "
+                           "arithmetic (CPU/CUDA only)"),
+    )
+}
+
+#: The float64 reference every configuration is measured against.
+REFERENCE = Config("reference", torch.float64, description="the same update rule in float64")

@@ -1,0 +1,185 @@
+"""Plain-language findings of a ``compare`` report, each computed from its numbers.
+
+:func:`findings` reads a :class:`~dml_optim.precision.report.Report` and
+states, per stream: the configurations ranked by their final error; what FP32
+master weights and Kahan compensation keep that plain FP16/BF16 loses (and at
+what memory); and, per configuration, the causes the metrics point to: an
+epsilon that is 0 in the arithmetic dtype, a second moment flushed to zero,
+updates lost to rounding, gradients that underflowed on storage.  Each
+sentence quotes the numbers it rests on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dml_optim.precision.configs import Config
+from dml_optim.precision.metrics import smallest_subnormal
+from dml_optim.precision.optimizers import epsilon_name, second_moment
+from dml_optim.precision.report import Report, Result, fmt
+
+__all__ = ["findings"]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g}%"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "FP16", torch.bfloat16: "BF16", torch.float32: "FP32", torch.float64: "FP64"}[dtype]
+
+
+def _finite_error(result: Result | None) -> bool:
+    return result is not None and math.isfinite(result.metrics["final_rel_error"])
+
+
+def findings(report: Report, numel: dict[str, int]) -> list[str]:
+    """Plain-language findings, each computed from the numbers of ``report`` (``numel``: parameters per stream)."""
+    out: list[str] = []
+    by = {(r.config, r.stream): r for r in report.results}
+    configs = {c.name: c for c in report.configs}
+    for stream in report.streams:
+        rows = [r for r in report.results if r.stream == stream["name"]]
+        if rows:
+            out += _summary_findings(report, stream, rows, by)
+        out += [_kahan_finding(r, configs[r.config], by) for r in rows if configs[r.config].kahan]
+        underflow: dict[torch.dtype, tuple[float, list[str]]] = {}
+        for r in rows:
+            cfg, m = configs[r.config], r.metrics
+            where = f"`{r.config}` ({r.stream} stream)"
+            if m["first_nonfinite_step"] is not None:
+                out.append(_nonfinite_finding(report, where, r, cfg, numel[r.stream], by))
+            if m["flushed_second_moment_fraction"]:
+                out.append(_flush_finding(report, where, m, cfg))
+            if cfg.param_dtype != torch.float32 and not cfg.carries_small_updates and m["lost_update_fraction"] >= 0.01:
+                out.append(_lost_finding(where, m["lost_update_fraction"], cfg, by.get(("fp16-master", r.stream))))
+            if m["grad_underflow_fraction"] >= 0.0001:
+                underflow.setdefault(cfg.param_dtype, (m["grad_underflow_fraction"], []))[1].append(f"`{r.config}`")
+        for dtype, (fraction, names) in underflow.items():
+            out.append(f"{stream['name']} stream: {_pct(fraction)} of gradient entries became 0 when stored in "
+                       f"{_dtype_name(dtype)} (|g| below {smallest_subnormal(dtype) / 2:.3g}) in {', '.join(names)}; "
+                       "loss scaling (dml_optim.amp.DynamicLossScaler) shifts small gradients into range.")
+    seen = set()
+    for s in report.skipped:
+        if s["config"] not in seen:
+            seen.add(s["config"])
+            out.append(f"`{s['config']}` skipped: {s['reason']}")
+    return out
+
+
+def _summary_findings(report: Report, stream: dict[str, Any], rows: list[Result], by) -> list[str]:
+    name = stream["name"]
+    key = lambda r: (not math.isfinite(r.metrics["final_rel_error"]), r.metrics["final_rel_error"])
+    ranked = sorted(rows, key=key)
+    parts = ", ".join(f"`{r.config}` {fmt(r.metrics['final_rel_error'])}" for r in ranked)
+    out = [f"{name} stream, relative error after {report.steps} steps (||x - x_ref|| / ||x_ref||), best first: {parts}."]
+    if stream.get("reference_loss") is not None:
+        losses = ", ".join(f"`{r.config}` {fmt(r.metrics['final_loss'])}" for r in rows)
+        out.append(f"{name} stream, final training loss on the built-in data: reference {fmt(stream['reference_loss'])}, {losses}.")
+    half = [r for r in ranked if r.config != "fp32" and math.isfinite(r.metrics["final_rel_error"])]
+    if half:
+        best = half[0]
+        out.append(f"{name} stream: the most faithful reduced-precision configuration is `{best.config}` "
+                   f"(relative error {fmt(best.metrics['final_rel_error'])}, max {best.metrics['max_ulp']} ULP from the "
+                   "reference rounded to its storage dtype).")
+    master = by.get(("fp16-master", name))
+    if _finite_error(master):
+        mm = master.metrics
+        text = (f"{name} stream: `fp16-master`'s FP16 parameters did not change in {_pct(mm['lost_update_fraction'])} "
+                "of the updates, but its FP32 master copy accumulated those small steps, so they are not lost")
+        if mm["final_rel_error"] <= 2.0**-10:
+            text += (f": its error stays at the level of FP16 rounding of the parameters ({fmt(mm['final_rel_error'])}; "
+                     "half an FP16 ULP is 2^-11 ≈ 4.9e-4 relative).")
+        else:
+            text += (f"; its remaining error ({fmt(mm['final_rel_error'])}) is above FP16 rounding of the parameters: "
+                     "the gradients are stored in FP16 (each rounded to 11 bits"
+                     + (f", {_pct(mm['grad_underflow_fraction'])} of them to 0" if mm["grad_underflow_fraction"] else "")
+                     + ") before the FP32 update sees them.")
+        out.append(text)
+    return out
+
+
+def _kahan_finding(r: Result, cfg: Config, by) -> str:
+    """Kahan against FP32, FP32 master weights and the plain low-precision configuration of its dtype."""
+    m = r.metrics
+    size = torch.finfo(cfg.param_dtype).bits // 8
+    where = f"`{r.config}` ({r.stream} stream)"
+    if not math.isfinite(m["final_rel_error"]):
+        return f"{where}: parameters became NaN or inf (first at step {m['first_nonfinite_step']})."
+    text = (f"{where}: {_dtype_name(cfg.param_dtype)} parameters plus a {size}-byte compensation buffer per parameter "
+            f"(FP32 master weights take 4) end at relative error {fmt(m['final_rel_error'])}")
+    others = [(name, by.get((name, r.stream))) for name in ("fp32", "fp16-master")]
+    others = [(name, o) for name, o in others if _finite_error(o)]
+    if others:
+        text += ", against " + " and ".join(f"`{name}`'s {fmt(o.metrics['final_rel_error'])}" for name, o in others)
+    master = by.get(("fp16-master", r.stream))
+    if _finite_error(master) and master.metrics["final_rel_error"] > 0:
+        ratio = m["final_rel_error"] / master.metrics["final_rel_error"]
+        text += f" ({ratio:.2f} times `fp16-master`'s)"
+    if m["final_loss"] is not None:
+        losses = [(name, o.metrics["final_loss"]) for name, o in others]
+        text += (f"; final training loss {fmt(m['final_loss'])}"
+                 + "".join(f", `{name}` {fmt(loss)}" for name, loss in losses))
+    text += (f". Its parameters did not change in {_pct(m['lost_update_fraction'])} of the updates; the compensation "
+             "buffer carried what rounding dropped into the next steps, so those updates are not lost")
+    plain = by.get((r.config.removesuffix("-kahan"), r.stream))  # the same dtype without compensation
+    if plain is not None and math.isfinite(plain.metrics["final_rel_error"]):
+        text += (f" (plain `{plain.config}` on the same stream ends at {fmt(plain.metrics['final_rel_error'])}, "
+                 f"{_pct(plain.metrics['lost_update_fraction'])} of its updates lost)")
+    return text + "."
+
+
+def _nonfinite_finding(report: Report, where: str, r: Result, cfg: Config, numel: int, by) -> str:
+    m = r.metrics
+    bad = (m["nan_count"] + m["inf_count"]) / numel
+    cdtype = cfg.arithmetic_dtype
+    eps_name = epsilon_name(report.optimizer)
+    eps = report.hyperparameters[eps_name] if eps_name else None
+    if eps and float(torch.tensor(eps, dtype=cdtype)) == 0.0:
+        fixed = by.get(("fp16-fp32compute", r.stream))
+        alt = (f" (`fp16-fp32compute` on the same stream: {fixed.metrics['nan_count']} NaN)"
+               if fixed is not None and cdtype == torch.float16 else "")
+        return (f"{where}: {eps_name} {eps:g} is 0 in {_dtype_name(cdtype)} (smallest subnormal "
+                f"{smallest_subnormal(cdtype):.3g}), so an element whose gradient and state are 0 computes 0/0 and an "
+                f"element whose second moment underflowed divides by 0: {_pct(bad)} of parameters were NaN or inf at "
+                f"the end, first at step {m['first_nonfinite_step']}. Use {eps_name} >= 1e-4 with "
+                f"{_dtype_name(cdtype)} arithmetic, or FP32 arithmetic{alt}.")
+    return (f"{where}: {_pct(bad)} of parameters were NaN or inf at the end, first at step "
+            f"{m['first_nonfinite_step']} (overflow or 0/0 in {_dtype_name(cdtype)} arithmetic).")
+
+
+def _flush_finding(report: Report, where: str, m: dict[str, Any], cfg: Config) -> str:
+    state, decay = second_moment(report.optimizer)
+    state_dtype, grad_dtype = cfg.stored_state_dtype, cfg.param_dtype
+    flushed = m["flushed_second_moment_fraction"]
+    coef = 1.0 - report.hyperparameters[decay] if decay else 1.0
+    half = smallest_subnormal(state_dtype) / 2
+    threshold = math.sqrt(half / coef)
+    if threshold < smallest_subnormal(grad_dtype) / 2:
+        # the state could hold these values: the zeros come from gradients that underflowed on storage
+        return (f"{where}: {_pct(flushed)} of second-moment entries ({state}) are 0 where the reference's are not, "
+                f"although the state is {_dtype_name(state_dtype)}: their gradients were always below "
+                f"{smallest_subnormal(grad_dtype) / 2:.3g} and became 0 when stored in {_dtype_name(grad_dtype)} "
+                "(see grad underflow); loss scaling keeps them.")
+    term = f"(1 - {decay})·g² = {coef:g}·g²" if decay else "g²"
+    effect = ("the parameter then moves by lr·m/epsilon instead of lr·m/sqrt(v)" if decay
+              else "the parameter then moves by lr·g/epsilon instead of lr·g/sqrt(sum)")
+    return (f"{where}: {_pct(flushed)} of second-moment entries ({state}) flushed to zero: {term} is below "
+            f"{half:.3g} (half {_dtype_name(state_dtype)}'s smallest subnormal) for every |g| below {threshold:.2g}, "
+            f"so it rounds to 0 and {effect}. FP32 arithmetic does not help while the state is stored in "
+            f"{_dtype_name(state_dtype)}: keep the states in FP32 (`fp16-master`, `fp16-kahan`, or "
+            "state_dtype=torch.float32).")
+
+
+def _lost_finding(where: str, lost: float, cfg: Config, master: Result | None) -> str:
+    ulp_one = torch.finfo(cfg.param_dtype).eps
+    text = (f"{where}: {_pct(lost)} of updates were lost to rounding: the step was below half an ULP of the parameter "
+            f"(the ULP of 1.0 is {ulp_one:.3g} in {_dtype_name(cfg.param_dtype)}), so the parameter stayed put while "
+            "the reference moved.")
+    if _finite_error(master):
+        return text + (f" Use FP32 master weights (master_weights=True) or Kahan compensation (kahan=True): "
+                       f"`fp16-master` ends at relative error {fmt(master.metrics['final_rel_error'])} on the same stream.")
+    return text + " Use FP32 master weights (master_weights=True) or Kahan compensation (kahan=True)."

@@ -1,0 +1,96 @@
+"""The README's memory table (bytes per parameter of each precision configuration) is the measured one,
+and what it and the text around it say follows from the dtypes.
+
+The table is rebuilt here by :func:`dml_optim.precision.memory.memory_table`
+(from the optimizer's own tensors) and compared with the README's block, so
+it cannot go stale; the by-hand expectations below check the measurement
+itself: parameters and gradients take the parameters' dtype, Adam's two
+states the state dtype, a master copy 4 bytes, a compensation buffer the
+parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dml_optim import toy
+from dml_optim.options import CHUNK_ELEMENTS
+from dml_optim.precision import CONFIGS, make_optimizer
+from dml_optim.precision.memory import HIDDEN, OPTIMIZERS, measure, memory_table
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+#: (parameters, gradients, states, master copy, compensation) in bytes per parameter, by hand from the dtypes:
+#: FP32 4 bytes, FP16/BF16 2; Adam and AdamW keep two states (exp_avg, exp_avg_sq), in FP32 with master
+#: weights or Kahan and in the parameters' dtype otherwise (fp16-fp32compute: FP16 states, FP32 arithmetic).
+EXPECTED = {
+    "fp32": (4, 4, 8, 0, 0),
+    "fp16": (2, 2, 4, 0, 0),
+    "fp16-fp32compute": (2, 2, 4, 0, 0),
+    "fp16-master": (2, 2, 8, 4, 0),
+    "fp16-kahan": (2, 2, 8, 0, 2),
+    "bf16": (2, 2, 4, 0, 0),
+    "bf16-kahan": (2, 2, 8, 0, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def footprints():
+    return {(f.optimizer, f.config): f for f in (measure(name, config) for name in OPTIMIZERS for config in CONFIGS.values())}
+
+
+def _readme_block() -> str:
+    match = re.search(r"<!-- MEMORY-TABLE -->\n(.*?)\n<!-- /MEMORY-TABLE -->", README.read_text(), flags=re.S)
+    assert match, "README.md has no <!-- MEMORY-TABLE --> block"
+    return match.group(1)
+
+
+def test_every_configuration_is_expected():
+    assert set(EXPECTED) == set(CONFIGS)
+
+
+def test_readme_table_is_the_measured_one(footprints):
+    # regenerate with: python -m dml_optim.precision.memory
+    assert _readme_block() == memory_table(list(footprints.values()))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_bytes_per_parameter_follow_from_the_dtypes(footprints, optimizer):
+    for config, (params, grads, states, master, kahan) in EXPECTED.items():
+        f = footprints[(optimizer, config)]
+        assert (f.params, f.grads, f.states, f.master, f.kahan) == (params, grads, states, master, kahan), config
+        assert f.parameters == sum(p.numel() for p in toy.make_model(0, HIDDEN).parameters())
+
+
+def test_the_readme_text_quotes_the_table(footprints):
+    text = " ".join(README.read_text().split())
+    match = re.search(r"with Adam, Kahan (\d+) bytes per parameter, master weights (\d+), FP32 (\d+) plus a full-size "
+                      r"scratch, plain FP16 (\d+) plus its scratch", text)
+    assert match, "the README's sentence on large-model memory is missing"
+    held = [footprints[("adam", c)].held for c in ("fp16-kahan", "fp16-master", "fp32", "fp16")]
+    assert [int(v) for v in match.groups()] == held
+    assert "That is 2 bytes per parameter where master weights take 4" in text
+
+
+def test_scratch_is_bounded_when_the_update_converts():
+    # the README: full size in the storage dtype when the update does not convert; FP32 chunks of at most
+    # 2**20 elements per slot when it does, so under 0.3 bytes per parameter at 100M parameters
+    model = toy.make_model(0, 1100)  # 1,258,410 parameters: more than one chunk
+    numel = sum(p.numel() for p in model.parameters())
+    assert numel > CHUNK_ELEMENTS
+    for name, config in CONFIGS.items():
+        params = [torch.nn.Parameter(p.detach().to(config.param_dtype)) for p in model.parameters()]
+        opt = make_optimizer("adam", params, config)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        scratch = opt.flat_buffers()[0].scratch
+        if config.param_dtype == config.arithmetic_dtype == config.stored_state_dtype and not config.kahan:
+            assert all(t.numel() == numel and t.dtype == config.param_dtype for t in scratch), name
+        else:
+            assert all(t.numel() == CHUNK_ELEMENTS and t.dtype == torch.float32 for t in scratch), name
+            assert len(scratch) * CHUNK_ELEMENTS * 4 / 1e8 < 0.3, name
