@@ -161,9 +161,15 @@ class LayoutMixin:
         layout.checked = _items(group)
 
     def _settle_all(self) -> None:
-        """Validate and sync every group's settings now (``state_dict`` saves them consistent)."""
-        pending = [self._settings(gi, group) for gi, group in enumerate(self.param_groups)]
-        for gi, (candidate, synced) in enumerate(pending):
+        """Sync every valid group's settings with torch's names now (``state_dict`` saves them
+        consistent).  A group that does not validate is left as written, like torch.optim saves
+        it: saving never raises over a setting, and the next ``step()`` or ``load_state_dict()``
+        names the bad value."""
+        for gi, group in enumerate(self.param_groups):
+            try:
+                candidate, synced = self._settings(gi, group)
+            except (TypeError, ValueError):
+                continue
             self._settle(gi, candidate, synced)
 
     def _plan(self, gi: int, group: dict[str, Any]) -> _Plan:
