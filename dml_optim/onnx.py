@@ -10,7 +10,7 @@ only in the ONNX spec and in ``onnx.reference``), so this module makes
 Attributes and their defaults are the operator schemas' (``onnx/defs/training/defs.cc``):
 
 * ``Adagrad``: ``decay_factor=0``, ``epsilon=1e-6``, ``norm_coefficient=0``.
-  (DESIGN.md §2 lists ``epsilon=0``; the schema, and so ``onnx.reference``,
+  (docs/design.md §2 lists ``epsilon=0``; the schema, and so ``onnx.reference``,
   default it to ``1e-6``.  A node is run as the schema says.)
 * ``Momentum``: ``alpha``, ``beta``, ``mode`` (``"standard"`` or
   ``"nesterov"``), ``norm_coefficient``; all required.

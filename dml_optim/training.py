@@ -1,7 +1,7 @@
 """Training the built-in model on the built-in data: the library behind ``dml-optim train``.
 
 :func:`train` runs one optimizer (ours, or its ``torch.optim`` equivalent from
-DESIGN.md §2) over the :mod:`dml_optim.toy` problem and returns a
+docs/design.md §2) over the :mod:`dml_optim.toy` problem and returns a
 :class:`RunResult`: losses before and after, held-out accuracy, median step
 times, and an audit of one optimizer step (aten ops per step and DirectML CPU
 fallbacks, from :func:`dml_optim.audit.audit_step`).  Two runs with the same
@@ -280,7 +280,7 @@ def train(
         config: hyperparameters and sizes (validated; ``ValueError`` otherwise).
         device: where to train.
         impl: ``"dml_optim"`` (ours) or ``"torch"`` (the torch.optim equivalent,
-            DESIGN.md §2, ``foreach=True``; same initial weights, same batches).
+            docs/design.md §2, ``foreach=True``; same initial weights, same batches).
         progress: called as ``progress(step, steps, loss)`` every
             ``progress_every`` steps and after the last one (reads the loss: a
             host sync at those steps only).

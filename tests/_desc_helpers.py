@@ -40,7 +40,7 @@ BUFFERS = {
     "TrainingStepTensor": "step",
 }
 
-#: DESIGN.md §3's rule table, copied by hand.
+#: docs/design.md §3's rule table, copied by hand.
 DESIGN_RULES = {
     "dimension-count": "error",
     "sizes-length": "error",

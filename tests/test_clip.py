@@ -183,3 +183,18 @@ def test_audit_beside_torch_on_resnet50_shapes():
         q.grad = torch.ones_like(q)
     torch_report = audit_call(opt, lambda: torch.nn.utils.clip_grad_norm_(ref, 1.0, foreach=True))
     assert torch_report.total_ops >= 2 * len(shapes)  # _foreach_norm and _foreach_mul_: one op per tensor each
+
+
+def test_cli_audit_clip_beside_torch(capsys):
+    """``dml-optim audit --clip``: ours a handful of ops for any number of tensors; torch's two per tensor."""
+    import json
+
+    from dml_optim.cli import main
+
+    assert main(["audit", "--optimizer", "adamw", "--model", "many-small-300", "--clip", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["audited"] == "clip_grad_norm_" and doc["tensors"] == 300
+    assert doc["ours"]["optimizer"] == "dml_optim.clip_grad_norm_"
+    assert doc["ours"]["total_ops"] <= 6 and doc["ours"]["host_syncs"] == 0 and doc["ours"]["fallbacks"] == []
+    assert doc["torch"]["optimizer"] == "torch.nn.utils.clip_grad_norm_"
+    assert doc["torch"]["total_ops"] >= 2 * 300

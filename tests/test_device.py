@@ -1,4 +1,4 @@
-"""Device detection never raises: every failure mode of DESIGN.md §4, injected.
+"""Device detection never raises: every failure mode of docs/design.md §4, injected.
 
 A fake ``torch_directml`` is put in ``sys.modules`` (or its import made to
 fail with a ``sys.meta_path`` finder) with ``monkeypatch``, so these tests

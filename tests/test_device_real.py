@@ -1,6 +1,6 @@
 """Device detection against the REAL torch-directml plugin, when it is installed.
 
-On plain Linux the plugin fails in two documented ways (DESIGN.md §4): without
+On plain Linux the plugin fails in two documented ways (docs/design.md §4): without
 its folder on LD_LIBRARY_PATH, ``import torch_directml`` raises OSError
 (libd3d12.so); with it, ``device_count()`` raises RuntimeError.  Both must
 read as "DirectML unavailable: <reason>" and fall back.  Each case runs in a

@@ -2,7 +2,7 @@
 (issue 8, item 5).
 
 A hypothesis ``RuleBasedStateMachine`` drives one of our optimizers and its
-DESIGN §2 torch.optim equivalent (float64; epsilon 0 for Adam) through the same
+docs/design.md §2 torch.optim equivalent (float64; epsilon 0 for Adam) through the same
 calls: ``step`` with fresh random gradients (some parameters without one),
 ``step`` without new gradients, ``zero_grad`` (both modes), ``add_param_group``,
 ``state_dict`` + ``load_state_dict`` into the same optimizer and into a fresh

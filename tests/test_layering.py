@@ -39,3 +39,21 @@ def test_optimizer_facts_are_class_attributes_not_isinstance_tests():
                 offenders.append(f"{path.name}: isinstance(..., {name})")
     assert offenders == []
     importlib.import_module("dml_optim")
+
+
+def test_every_design_reference_points_inside_the_repository():
+    """Code, tests, tools, data and docs cite docs/design.md, which is in the repository, and its sections exist."""
+    import re
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    sections = set(re.findall(r"^## (\d+)\.", design, flags=re.M))
+    offenders, cited = [], set()
+    files = [p for d in ("dml_optim", "tests", "tools", "bench", "docs") for p in (ROOT / d).rglob("*")
+             if p.suffix in (".py", ".md", ".json", ".toml")]
+    for path in [*files, ROOT / "README.md"]:
+        text = path.read_text(encoding="utf-8")
+        if re.search(r"\b" + "DE" + r"SIGN(\.md)?\b(?!_)", text):  # spelled apart so this file does not match
+            offenders.append(str(path.relative_to(ROOT)))
+        cited |= set(re.findall(r"docs/design\.md`? §(\d+)", text))
+    assert offenders == [], "cites the design brief outside the repository instead of docs/design.md"
+    assert cited and cited <= sections, f"cited sections {sorted(cited - sections)} do not exist in docs/design.md"

@@ -150,7 +150,7 @@ def test_attribute_default_is_the_schema_default(op_type, attr, default):
 
 
 def test_adagrad_epsilon_default_is_1e_6_not_0():
-    """DESIGN.md §2 lists Adagrad's epsilon default as 0; the ONNX schema (defs.cc) says 1e-6,
+    """docs/design.md §2 lists Adagrad's epsilon default as 0; the ONNX schema (defs.cc) says 1e-6,
     and onnx.reference agrees.  run_node follows the schema."""
     inputs = [np.float64(1.0), np.int64(0), np.array([0.0, 1e-6]), np.array([0.0, 1e-6]), np.zeros(2)]
     x_new, h_new = run_node(_node("Adagrad", 5, 2), inputs)

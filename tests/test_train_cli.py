@@ -189,7 +189,7 @@ def test_same_seed_same_run_and_progress_calls():
 
 
 def test_momentum_matches_torch_sgd():
-    # DESIGN §2: ONNX Momentum (standard, beta=1) is torch.optim.SGD(momentum=alpha, dampening=0).
+    # docs/design.md §2: ONNX Momentum (standard, beta=1) is torch.optim.SGD(momentum=alpha, dampening=0).
     # Same weights, same batches: the runs differ only by float32 rounding
     # (observed: bit-identical final losses on the 2-core x86_64 CPU; rel=1e-4 leaves room for other kernels).
     config = TrainConfig(optimizer="momentum", steps=50)

@@ -52,6 +52,12 @@ examples:
   dml-optim audit --optimizer adamw --model bert-base-uncased
   dml-optim audit --optimizer momentum --model gpt2 --json
   dml-optim audit --optimizer adagrad --model my-model.json
+  dml-optim audit --optimizer adamw --model resnet50 --clip
+
+--clip audits gradient clipping instead of the step: dml_optim.clip_grad_norm_
+over the optimizer's flat gradient buffers beside torch.nn.utils.clip_grad_norm_
+(foreach=True, one _foreach_norm and one _foreach_mul_ element per tensor on
+DirectML) on the same parameters.
 """
 
 
@@ -66,6 +72,8 @@ def add_parser(sub):
     p.add_argument("--top", type=int, default=10, metavar="N", help="ops listed per optimizer (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random parameters and gradients")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    p.add_argument("--clip", action="store_true",
+                   help="audit clip_grad_norm_(max_norm=1.0) instead of the step, ours vs torch.nn.utils'")
     p.set_defaults(run=run)
     return p
 
@@ -94,15 +102,25 @@ def _params(shapes, seed: int):
     return params
 
 
-def _audit(kind: str, name: str, shapes, seed: int):
-    from dml_optim.audit import audit_step
+def _audit(kind: str, name: str, shapes, seed: int, clip: bool = False):
+    import torch
+
+    import dml_optim
+    from dml_optim.audit import audit_call, audit_step
     from dml_optim.optimizers.registry import build, torch_equivalent
 
     params = _params(shapes, seed)
     # ours: the eager op chain DirectML runs ("auto" may compile large buffers on CPU/CUDA, which the audit refuses)
     opt = build(name, params, backend="eager") if kind == "ours" else torch_equivalent(name, params, foreach=True)
     opt.step()  # warm-up: states allocated, step counters past their first value
-    report = audit_step(opt)
+    if not clip:
+        report = audit_step(opt)
+    elif kind == "ours":
+        report = audit_call(opt, lambda: dml_optim.clip_grad_norm_(opt, 1.0))
+        report.optimizer = "dml_optim.clip_grad_norm_"
+    else:
+        report = audit_call(opt, lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))
+        report.optimizer = "torch.nn.utils.clip_grad_norm_"
     del opt, params
     gc.collect()
     return report
@@ -131,7 +149,7 @@ def run(args) -> int:
     progress = Progress("audit", 2, stream=stream, unit="optimizer") if slow else None
     reports = []
     for kind in ("ours", "torch"):
-        reports.append(_audit(kind, args.optimizer, shapes, args.seed))
+        reports.append(_audit(kind, args.optimizer, shapes, args.seed, args.clip))
         if progress is not None:
             progress.update(len(reports), f"{reports[-1].optimizer}: {reports[-1].total_ops} ops")
     if progress is not None:
@@ -139,9 +157,10 @@ def run(args) -> int:
     ours, theirs = reports
     if args.json:
         print(json.dumps({"model": model, "tensors": len(shapes), "parameters": numel,
-                          "optimizer": args.optimizer, "ours": ours.to_dict(), "torch": theirs.to_dict()}, indent=2))
+                          "optimizer": args.optimizer, "audited": "clip_grad_norm_" if args.clip else "step", "ours": ours.to_dict(), "torch": theirs.to_dict()}, indent=2))
         return 0
-    print("per step, as torch-directml 0.2.5 would run it (one warm-up step first):")
+    what = "per clip_grad_norm_ call" if args.clip else "per step"
+    print(f"{what}, as torch-directml 0.2.5 would run it (one warm-up step first):")
     print(_row("", ours.optimizer, theirs.optimizer))
     print(_row("aten ops dispatched", ours.total_ops, theirs.total_ops))
     print(_row("flat buffers / tensors", ours.flat_buffers, theirs.flat_buffers))

@@ -1,4 +1,4 @@
-"""``dml-optim validate``: check DirectML ADAM_OPTIMIZER descriptors (DESIGN.md §3).
+"""``dml-optim validate``: check DirectML ADAM_OPTIMIZER descriptors (docs/design.md §3).
 
 A thin layer over :func:`dml_optim.dml.validate.validate`: read descriptor
 JSON files (or a model inventory, whose descriptors are built with

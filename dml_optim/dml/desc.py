@@ -23,7 +23,7 @@ This is the leaf of the descriptor modules and imports none of them:
 :mod:`dml_optim.dml.desc_json` reads and writes the JSON form,
 :mod:`dml_optim.dml.torch_bridge` describes torch shapes and tensors, and
 :mod:`dml_optim.dml.builder` builds the optimizers' in-place descriptors.
-Facts cited below come from the Microsoft Learn pages listed in DESIGN.md §3.
+Facts cited below come from the Microsoft Learn pages listed in docs/design.md §3.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The JSON codec of ADAM_OPTIMIZER descriptors: text and dicts to and from the model.
 
-Turns the JSON form of a ``DML_ADAM_OPTIMIZER_OPERATOR_DESC`` (DESIGN.md §3)
+Turns the JSON form of a ``DML_ADAM_OPTIMIZER_OPERATOR_DESC`` (docs/design.md §3)
 into a :class:`~dml_optim.dml.desc.AdamOptimizerDesc` and back
 (:func:`from_dict`/:func:`to_dict`, :func:`loads`/:func:`dumps`,
 :func:`load`/:func:`dump`), one tensor desc or binding at a time included. The
@@ -83,7 +83,7 @@ def flags_to_json(flags: int) -> str | int:
 
 
 def tensor_desc_to_dict(t: TensorDesc) -> dict[str, Any]:
-    """The JSON object of a ``DML_BUFFER_TENSOR_DESC`` (DESIGN.md §3, all fields written)."""
+    """The JSON object of a ``DML_BUFFER_TENSOR_DESC`` (docs/design.md §3, all fields written)."""
     return {
         "DataType": t.data_type,
         "Flags": flags_to_json(t.flags),
@@ -184,7 +184,7 @@ def _bindings_from_dict(obj: Any, tensors: Mapping[str, TensorDesc]) -> dict[str
 
 
 def to_dict(desc: AdamOptimizerDesc) -> dict[str, Any]:
-    """The JSON object of DESIGN.md §3, every field written, in a fixed order."""
+    """The JSON object of docs/design.md §3, every field written, in a fixed order."""
     out: dict[str, Any] = {"operator": "ADAM_OPTIMIZER", "feature_level": desc.feature_level}
     for name, attr in _ATTRIBUTES.items():
         out[name] = getattr(desc, attr)

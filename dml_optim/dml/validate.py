@@ -1,7 +1,7 @@
 """Validation of ``DML_ADAM_OPTIMIZER_OPERATOR_DESC`` descriptors and their bindings.
 
 :func:`validate` checks a representable descriptor (see
-:mod:`dml_optim.dml.desc`) against the DirectML rules of DESIGN.md §3
+:mod:`dml_optim.dml.desc`) against the DirectML rules of docs/design.md §3
 and lists **every** violation, each with a stable rule id:
 
 * Tensors (``DML_BUFFER_TENSOR_DESC`` page, ADAM_OPTIMIZER page): exactly 4
@@ -57,7 +57,7 @@ __all__ = ["validate", "Report", "Violation", "RULES", "FEATURE_LEVELS", "ERROR"
 ERROR = "error"
 WARNING = "warning"
 
-#: Rule id -> severity (DESIGN.md §3; ids are stable, tests and users match on them).
+#: Rule id -> severity (docs/design.md §3; ids are stable, tests and users match on them).
 RULES: dict[str, str] = {
     "dimension-count": ERROR,
     "sizes-length": ERROR,
