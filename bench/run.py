@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Optimizer-step benchmark: ``python bench/run.py [--quick] [--device cpu|cuda|privateuseone] [--out FILE]``.
 
-The same as ``dml-optim bench`` (the logic lives in ``dml_optim/benchmark.py``);
+The same as ``dml-optim bench`` (the logic lives in the package ``dml_optim/benchmark/``);
 this script only makes it runnable from a source checkout without installing.
 See ``bench/README.md`` for the method and the fields of the JSON it writes.
 """

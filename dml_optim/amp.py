@@ -19,9 +19,10 @@ overflowing.  Two ways to use it with ``dml_optim`` optimizers:
   does its own unscaling (one native foreach kernel on CUDA and the CPU) and
   calls ``step()`` only when nothing overflowed, as for any torch.optim
   optimizer; frameworks rely on that (Lightning's mixed precision with
-  ``gradient_clip_val``).  With float16/bfloat16 gradients (FP16 parameters,
-  e.g. ``master_weights=True``), whose unscaling GradScaler refuses, our
-  optimizers set ``_step_supports_amp_scaling`` and GradScaler hands over
+  ``gradient_clip_val``); bfloat16 gradients take the same path.  With
+  float16 gradients (FP16 parameters, e.g. ``master_weights=True``), whose
+  unscaling GradScaler refuses, our optimizers set
+  ``_step_supports_amp_scaling`` and GradScaler hands over
   ``grad_scale``/``found_inf``: the unscale and the gated skip then run in
   our step, on the device, with no host sync.
 

@@ -105,15 +105,17 @@ def pack_values(sources: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
     """A new flat tensor holding ``sources`` (flattened, cast to ``dtype``) back to back.
 
     ``rebind``: tensors whose ``.data`` is re-pointed at their slice as soon
-    as it is filled, so their old storage is released while packing goes on.
-    ``via_host``: stage the sources through host memory first (their device
-    storage is released before the flat tensor is allocated), so the device
-    holds about one copy at the peak instead of two.  If anything fails, the
-    rebound tensors get their original storage back.
+    as it is filled, so their old storage is released while packing goes on
+    (no list of the originals is kept: the peak is the flat tensor plus the
+    parameters not yet packed, about one copy).  ``via_host``: stage the
+    sources through host memory first (their device storage is released
+    before the flat tensor is allocated), so the device holds about one copy
+    at the peak even when the caller keeps other references to the sources.
+    If anything fails, every rebound tensor gets its values back in a storage
+    of its own, on its device (copied out of the flat tensor or the host stage).
     """
-    # the originals are kept for a rollback only when copying directly: staging must let them go
-    originals = [t.data for t in rebind] if rebind is not None and not via_host else None
     homes = [t.device for t in rebind] if rebind is not None else None
+    packed = 0  # how many of ``rebind`` point into the flat tensor
     try:
         with torch.no_grad():
             if via_host:
@@ -131,17 +133,15 @@ def pack_values(sources: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
                 view.copy_(s.detach().reshape(-1))
                 if rebind is not None:
                     rebind[i].data = view.view(rebind[i].shape)
+                    packed = i + 1
                 offset += n
             return flat
     except BaseException:
-        if rebind is not None and originals is not None:
-            for t, original in zip(rebind, originals):
-                t.data = original
-        elif rebind is not None:  # staged: put every parameter back on its device, from its host copy
+        if rebind is not None:
             with torch.no_grad():
-                for t, home in zip(rebind, homes):
-                    if t.device != home:
-                        t.data = t.data.to(home)
+                for i, (t, home) in enumerate(zip(rebind, homes)):
+                    if i < packed or t.device != home:
+                        t.data = t.data.to(home, copy=True)
         raise
 
 

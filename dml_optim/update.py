@@ -156,6 +156,11 @@ def fused_step(cls, structure: tuple, names: Sequence[str], compute_dtype: torch
     hyper = dict(zip(names, it))
     hyper.update(structure)
     scalars = step_scalars(cls, hyper, T, finite, coefficient_dtype(x.device))
+    # computed in float64, used in the arithmetic's dtype (as eager's scalar operands and torch's
+    # kernels do): a float64 0-d operand would make inductor run the elementwise math in float64,
+    # whose division and square root are several times slower on GPUs
+    scalars = {k: v.to(compute_dtype) if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v
+               for k, v in scalars.items()}
     run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite, params_out=params_out,
              comp=comp, fused=True, scratch=(None,) * cls.scratch_slots)
     T.add_(finite.to(T.dtype) if finite is not None else 1)

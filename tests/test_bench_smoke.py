@@ -1,7 +1,9 @@
 """Smoke test of the benchmark (``dml-optim bench --quick`` / ``bench/run.py --quick``).
 
 Checks the shape of what it writes and prints, where it writes it, its
-header and progress, and its usage errors; never its speed.
+header and progress, its usage errors, that a failing measurement is recorded
+while the run goes on, and what the measurements must show whatever the
+machine's speed (op counts, state bytes, compiled graphs); never a time.
 """
 
 from __future__ import annotations
@@ -16,102 +18,182 @@ import pytest
 import torch
 
 from dml_optim import benchmark, compiled
+from dml_optim.benchmark.run import Task, not_measured
+from dml_optim.benchmark.speed import ROW_FIELDS
+from dml_optim.benchmark.workloads import lora, unfreezing
 from dml_optim.cli import main
+from dml_optim.opcount import count_ops
+from dml_optim.optimizers.registry import get
 
 ROOT = Path(__file__).resolve().parent.parent
-ROW_FIELDS = {
-    "optimizer", "workload", "candidate", "available", "reason", "ms_per_step", "steps_per_s",
-    "ratio_to_best_torch", "gbs", "fraction_of_triad", "ops_per_step", "optimizer_bytes",
-    "first_step_ms", "compile_s", "samples", "inner_steps",
-}
-NUMERIC = ("ms_per_step", "steps_per_s", "ratio_to_best_torch", "gbs", "fraction_of_triad", "first_step_ms")
+NUMERIC = ("ms_per_step", "steps_per_s", "ratio_to_best_torch", "gbs", "fraction_of_reference", "first_step_ms")
 
 
 @pytest.mark.slow
-def test_quick_benchmark_writes_every_candidate(tmp_path, monkeypatch, capsys):
+def test_quick_benchmark_measures_every_row(tmp_path, monkeypatch, capsys):
     # from a folder that is not the checkout, without --out: the result goes to
-    # ./dml-optim-out/bench/, and no bench/results/ appears there (issue item 7)
+    # ./dml-optim-out/bench/, and no bench/results/ appears there
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "--quick"]) == 0
     (out,) = (tmp_path / "dml-optim-out" / "bench").glob("cpu-*-quick.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dml-optim-out"]
     doc = json.loads(out.read_text())
-    printed = capsys.readouterr().out
-    lines = printed.splitlines()
-    assert lines[0].startswith("dml-optim bench --quick: device cpu, optimizers adam, adagrad, momentum, "
-                               "workloads many-small-256; results to dml-optim-out/bench/cpu-")
-    progress = [line for line in lines if line.startswith("bench: group ")]
-    assert progress == [f"bench: group {k}/3 ({100 * k // 3}%)  {o} on many-small-256"
-                        for k, o in enumerate(benchmark.OPTIMIZERS, 1)]
+    lines = capsys.readouterr().out.splitlines()
+    rows = benchmark.default_rows("cpu")
+    assert lines[0].startswith(f"dml-optim bench --quick: device cpu, rows {', '.join(rows)}, optimizers adam, adamw, "
+                               "adagrad, momentum, workloads many-small-256; ")
+    assert lines[0].endswith("results to dml-optim-out/bench/" + out.name)
+    progress = [line for line in lines if line.startswith("bench: measurement ")]
+    assert len(progress) == int(lines[0].split("; ")[1].split()[0]) and progress[-1].startswith("bench: measurement ")
     assert lines.index(progress[-1]) < lines.index(next(line for line in lines if line.startswith("| optimizer |")))
+    assert lines[-1] == f"wrote {out.relative_to(tmp_path)}" and any(line.startswith("summary: ") for line in lines)
 
-    assert doc["schema"] == 1 and doc["quick"] is True and doc["device"] == "cpu"
-    for key in ("created", "dtype", "machine", "settings", "candidates", "workloads", "results", "references", "targets"):
-        assert key in doc, key
+    assert doc["schema"] == 2 and doc["quick"] is True and doc["complete"] is True and doc["device"] == "cpu"
+    assert doc["rows"] == list(rows) and doc["errors"] == [] and doc["skipped"] == []
     assert doc["candidates"] == list(benchmark.CANDIDATES)
-    assert [w["name"] for w in doc["workloads"]] == list(benchmark.QUICK_WORKLOADS)
+    works = {w["name"]: w for w in doc["workloads"]}
+    assert set(works) == {"many-small-256", lora(d=64).name, *(unfreezing(k, d=64).name for k in (1, 4, 16))}
+    expected = {(o, w, c) for o in benchmark.OPTIMIZERS for w in works for c in benchmark.CANDIDATES}
+    assert {(r["optimizer"], r["workload"], r["candidate"]) for r in doc["results"]} == expected
+    assert len(doc["results"]) == len(expected)
 
-    expected = {(o, w, c) for o in benchmark.OPTIMIZERS for w in benchmark.QUICK_WORKLOADS for c in benchmark.CANDIDATES}
-    seen = {(r["optimizer"], r["workload"], r["candidate"]) for r in doc["results"]}
-    assert seen == expected and len(doc["results"]) == len(expected)
+    compile_ok = compiled.compile_available("cpu")[0]
     for r in doc["results"]:
-        assert set(r) == ROW_FIELDS, r["candidate"]
+        assert set(r) == set(ROW_FIELDS), r["candidate"]
         if r["candidate"].startswith("dml_optim"):
-            compile_ok = compiled.compile_available("cpu")[0]
             assert r["available"] or (r["candidate"].endswith("compiled") and not compile_ok), r
         if not r["available"]:
             assert isinstance(r["reason"], str) and r["reason"], r  # n/a says why
             continue
-        assert r["reason"] is None
         for f in NUMERIC:
             assert isinstance(r[f], float) and math.isfinite(r[f]) and r[f] > 0, (r["candidate"], f, r[f])
-        assert isinstance(r["ops_per_step"], int) and r["ops_per_step"] >= 1
-        assert isinstance(r["optimizer_bytes"], int) and r["optimizer_bytes"] > 0
-        assert r["samples"] >= doc["settings"]["min_rounds"]
+        assert r["samples"] >= doc["settings"]["min_rounds"] and r["kernel_ms"] is None  # no kernel time on the CPU
         assert (r["compile_s"] is not None) == (r["candidate"] == "dml_optim compiled")
-    # the best torch variant has ratio 1 by definition
+    assert len(doc["references"]) == len(benchmark.OPTIMIZERS) * len(works)
+
+    def row(o, w, c):
+        return next(r for r in doc["results"] if (r["optimizer"], r["workload"], r["candidate"]) == (o, w, c))
+
+    shapes = {w.name: w for w in (benchmark.workload("many-small-256"), lora(d=64), *(unfreezing(k, d=64) for k in (1, 4, 16)))}
     for o in benchmark.OPTIMIZERS:
-        ratios = [r["ratio_to_best_torch"] for r in doc["results"]
-                  if r["optimizer"] == o and r["candidate"].startswith("torch") and r["available"]]
-        assert max(ratios) == pytest.approx(1.0)
-    assert len(doc["references"]) == len(benchmark.OPTIMIZERS) * len(benchmark.QUICK_WORKLOADS)
-    for ref in doc["references"]:
-        assert ref["triad_gbs"] > 0 and ref["auto_backend"] in ("eager", "compiled")
-    assert all(t["status"] in ("PASS", "MISS", "not measured") for t in doc["targets"])
-    assert "| optimizer | workload | candidate | ms/step |" in printed
-    assert "| target |" in printed and f"wrote {out.relative_to(tmp_path)}" in printed
+        states = len(get(o).state_names)
+        for w, info in works.items():
+            # torch's for-loop dispatches ops per trainable tensor; dml_optim's eager chain a few per step class
+            trainable = sum(shapes[w].is_trainable(i) for i in range(info["tensors"]))
+            assert row(o, w, "torch for-loop")["ops_per_step"] >= trainable, (o, w)
+            assert row(o, w, "dml_optim eager")["ops_per_step"] <= 12 * 3, (o, w)  # at most 3 step classes here
+            # states (and eager's one full-size scratch) for the trainable elements only: frozen ones hold nothing
+            assert row(o, w, "dml_optim eager")["optimizer_bytes"] == (states + 1) * 4 * info["trainable_elements"], (o, w)
+            if compile_ok:
+                assert row(o, w, "dml_optim compiled")["optimizer_bytes"] == states * 4 * info["trainable_elements"], (o, w)
+        # one flat buffer, one step class: the same ops for 256 tensors as for the LoRA model's 32 trainable ones
+        assert (row(o, "many-small-256", "dml_optim eager")["ops_per_step"]
+                == row(o, lora(d=64).name, "dml_optim eager")["ops_per_step"])
+
+    assert [h["optimizer"] for h in doc["host_work"]] == list(benchmark.OPTIMIZERS)
+    for h in doc["host_work"]:  # one flat buffer: 2,000 tensors dispatch the ops of one; the rest is host work
+        assert h["ops_many_full"] == h["ops_many_fast"] == h["ops_one"] <= 12, h
+    assert [m["pack_via"] for m in doc["memory"]] == ["auto", "device", "host"]
+    resnet50 = benchmark.workload("resnet50").trainable_numel
+    assert all(m["peak_ratio"] > 0 and m["trainable_bytes"] == 4 * resnet50 for m in doc["memory"])
+    if compile_ok:
+        (inst,) = doc["instances"]
+        assert len(inst["first_step_ms"]) == 12 and inst["ms_2nd"] > 0 and inst["ms_12th"] > 0
+        assert inst["graphs_compiled"] <= 1  # one graph serves every instance and epsilon
+    # the CUDA-only parts are listed with the reason, and the printed report says so
+    left_out = {n["what"]: n["reason"] for n in doc["not_measured"]}
+    assert set(left_out) == {"graph", "kernel time", "copy bandwidth"}
+    assert all(reason.startswith("CUDA only: ") for reason in left_out.values())
+    assert f"not measured: graph: {left_out['graph']}" in lines
+    statuses = {t["target"]: t["status"] for t in doc["targets"]}
+    assert set(statuses.values()) <= {"PASS", "MISS", "not measured"}
+    assert all(statuses[t] != "not measured" for t in statuses if t.startswith(("host work", "12th", "resnet50 construction")))
+    assert not any("CUDA graph" in t or "copy bandwidth" in t for t in statuses)
+
+
+def test_a_failing_measurement_is_recorded_and_the_run_goes_on(tmp_path):
+    plan = benchmark.make_plan(quick=True, rows=["host"], optimizers=["momentum"])
+    (real,) = plan.tasks
+
+    def broken(doc, log):
+        raise RuntimeError("CUDA out of memory\nsecond line")
+
+    plan.tasks = [Task("speed", "a broken row", broken), real]
+    written = []
+    doc = benchmark.run_plan(plan, log=lambda message: None, checkpoint=lambda d: written.append(json.dumps(d)))
+    assert doc["errors"] == [{"row": "speed", "task": "a broken row", "error": "RuntimeError: CUDA out of memory"}]
+    assert [h["optimizer"] for h in doc["host_work"]] == ["momentum"] and doc["complete"]
+    (h,) = doc["host_work"]
+    assert h["ops_many_full"] == h["ops_many_fast"] == h["ops_one"] == _momentum_ops()
+    host_targets = [t for t in doc["targets"] if t["target"].startswith("host work")]
+    assert [t["target"].rsplit("(", 1)[1] for t in host_targets] == ["checks=full)", "checks=fast)"]
+    assert all(t["status"] in ("PASS", "MISS") and t["measured"] == h[f"ratio_{t['target'][-5:-1]}"] for t in host_targets)
+    assert len(written) == 3 and json.loads(written[0])["complete"] is False  # after each task, then at the end
+
+
+def _momentum_ops() -> int:
+    """Ops of one eager Momentum step over one flat buffer (what the host row's steps must dispatch)."""
+    import dml_optim
+
+    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(16)
+    opt = dml_optim.Momentum(params, lr=0.01, backend="eager")
+    opt.step()
+    return count_ops(opt.step)
+
+
+def test_what_a_run_leaves_out_is_listed_with_the_reason():
+    plan = benchmark.make_plan(quick=True, rows=["graph", "host"], optimizers=["momentum"])
+    assert plan.rows == ("host",) and [t.row for t in plan.tasks] == ["host"]  # graph: not an error, left out
+    reasons = {n["what"]: n["reason"] for n in plan.not_measured}
+    assert reasons.pop("graph").startswith("CUDA only: ")
+    assert set(reasons) == {"memory", "instances", "frozen", "speed"}
+    assert compiled.compile_available("cpu")[0] is (reasons["instances"] == "not selected (--rows)")
+    assert {reasons[r] for r in ("memory", "frozen", "speed")} == {"not selected (--rows)"}
+    cuda = {n["what"]: n["reason"] for n in not_measured(torch.device("cuda"), benchmark.default_rows("cuda"))}
+    assert "measured by a CPU run" in cuda["host"]
+    assert not {"graph", "kernel time", "copy bandwidth"} & set(cuda)
+
+
+def test_a_spent_budget_skips_the_remaining_measurements():
+    plan = benchmark.make_plan(quick=True, rows=["host", "speed"], optimizers=["momentum"], budget_s=1e-9)
+    doc = benchmark.run_plan(plan, log=lambda message: None)
+    assert doc["skipped"] == [t.label for t in plan.tasks] and doc["results"] == [] and doc["complete"]
+    assert "skipped (budget): speed: momentum on many-small-256" in benchmark.format_report(doc)
 
 
 def test_op_counts_reflect_the_implementation():
     """Eager Adam is a handful of ops over one buffer; torch's for-loop is ~10 per tensor."""
-    import torch
-
     import dml_optim
 
     params = [torch.nn.Parameter(torch.randn(8)) for _ in range(20)]
     for p in params:
         p.grad = torch.randn(8)
     ours = dml_optim.Adam(params, backend="eager")
-    n_ours = benchmark.count_ops(ours.step)
+    n_ours = count_ops(ours.step)
     theirs_params = [torch.nn.Parameter(torch.randn(8)) for _ in range(20)]
     for p in theirs_params:
         p.grad = torch.randn(8)
     theirs = torch.optim.Adam(theirs_params, foreach=False)
     theirs.step()
-    n_theirs = benchmark.count_ops(theirs.step)
+    n_theirs = count_ops(theirs.step)
     assert 3 <= n_ours <= 12  # independent of the number of tensors
     assert n_theirs >= 5 * len(params)
 
 
-def test_bench_rejects_an_unknown_workload(capsys):
-    assert main(["bench", "--quick", "--workloads", "no-such-model"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--workloads" in err[0] and "no-such-model" in err[0] and "resnet50" in err[0]
+@pytest.mark.parametrize("argv,words", [
+    (["--workloads", "no-such-model"], ["--workloads", "no-such-model", "resnet50"]),
+    (["--budget", "0"], ["--budget", "positive", "0"]),
+])
+def test_bench_usage_errors_are_one_line(argv, words, capsys):
+    assert main(["bench", "--quick", *argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert all(w in line for w in words), line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA is NOT usable")
 def test_bench_on_an_unusable_device_is_a_usage_error(tmp_path, capsys):
-    # once `error: RuntimeError: ...` and status 1, unlike every other command
     assert main(["bench", "--quick", "--device", "cuda", "--out", str(tmp_path / "x.json")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("dml-optim bench: error: --device: device 'cuda' is not usable: ")
@@ -126,11 +208,20 @@ def test_workloads_are_the_models_of_every_command():
     assert benchmark.workload("one-64m").shapes == ((2**26,),)
 
 
+def test_frozen_workloads_are_model_parameters():
+    model = lora()
+    assert len(model.shapes) == 16 * 4 and sum(model.trainable) == 32  # base weight and bias frozen; down, up trainable
+    assert model.trainable_numel == 16 * 2 * 512 * 8 and model.numel == model.trainable_numel + 16 * (512 * 512 + 512)
+    assert sum(unfreezing(4).trainable) == 8 and unfreezing(4).trainable[-8:] == (True,) * 8
+    with pytest.raises(ValueError, match="k must be in"):
+        unfreezing(0)
+
+
 def test_bench_script_runs_from_a_checkout():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "--quick" in proc.stdout and "--device" in proc.stdout and "examples:" in proc.stdout
+    assert "--quick" in proc.stdout and "--rows" in proc.stdout and "--budget" in proc.stdout and "examples:" in proc.stdout
 
 
 def test_quick_results_do_not_overwrite_full_ones(tmp_path):

@@ -639,3 +639,33 @@ def test_frozen_parameter_that_has_a_gradient_steps_like_torch(how):
         for p, t in zip(ps, ts):
             assert_close(p.detach(), t.detach())
     _assert_states_like_torch(opt, topt, ADAM)
+
+
+# -- device memory at construction ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the device's peak at construction is read with torch.cuda.max_memory_allocated (needs CUDA)")
+@pytest.mark.parametrize("pack_via", ["auto", "host", "device"])
+def test_construction_peak_on_cuda(pack_via):
+    """Building the optimizer over a LoRA model on CUDA: with ``pack_via`` "auto" (host staging off the CPU) or
+    "host" the device holds at most 1.25x the trainable parameters' bytes at the peak (the parameters
+    themselves and nothing else); "device" copies straight into the flat buffer, a second copy at the peak."""
+    model = lora_model(d=512, r=64, layers=16, dtype=torch.float32).cuda()
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    opt = dml_optim.Adam(model.parameters(), lr=1e-3, pack_via=pack_via)
+    torch.cuda.synchronize()
+    peak_ratio = (torch.cuda.max_memory_allocated() - before + trainable) / trainable
+    after_ratio = (torch.cuda.memory_allocated() - before + trainable) / trainable
+    assert after_ratio <= 1.05, after_ratio  # the flat buffer replaces the parameters' storage
+    if pack_via == "device":
+        assert peak_ratio >= 1.9, peak_ratio
+    else:
+        assert peak_ratio <= 1.25, peak_ratio
+    x = torch.randn(4, 512, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())

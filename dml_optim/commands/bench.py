@@ -1,10 +1,11 @@
-"""``dml-optim bench``: optimizer-step speed side by side with torch.optim.
+"""``dml-optim bench``: optimizer steps side by side with torch.optim, and the issues' other measurements.
 
 A thin layer over :mod:`dml_optim.benchmark` (``bench/run.py`` is the same
 command for a source checkout): checks every argument before measuring (an
-unusable device, an unknown workload or an unwritable ``--out`` is a one-line
-usage error, status 2), prints a header, progress per (optimizer, workload)
-group, then the table, and writes the JSON document to ``--out`` (default
+unusable device, an unknown row, optimizer or workload, a bad ``--budget``
+or an unwritable ``--out`` is a one-line usage error, status 2), prints a
+header, a line per measurement as it goes, then the tables and a summary,
+and writes the JSON document to ``--out`` after every measurement (default
 ``dml-optim-out/bench/<device>-<UTC date>.json``).
 """
 
@@ -16,22 +17,28 @@ from pathlib import Path
 
 from dml_optim.console import DEFAULT_OUTPUT_DIR
 
-HELP = "measure optimizer steps (dml_optim eager/compiled vs torch.optim for-loop/foreach/fused)"
+HELP = "measure optimizer steps (dml_optim eager/compiled vs torch.optim for-loop/foreach/fused) and more"
 DESCRIPTION = (
-    HELP + ". Candidates are measured in one process, round-robin, after warm-up; medians are "
-    "reported with GB/s, the fraction of a triad's bandwidth measured in the same run, ops per step, "
-    "optimizer memory and compile time. Writes JSON and prints a markdown table and the targets (PASS/MISS)."
+    HELP + ". Candidates are measured in one process, round-robin, after warm-up; medians are reported with "
+    "GB/s as a fraction of a bandwidth reference measured in the same run (the triad on the CPU, a 1 GiB copy on "
+    "CUDA), kernel time (CUDA), ops per step, optimizer memory and compile time. Rows: speed (optimizer x "
+    "workload), frozen (a LoRA model, gradual unfreezing), host (host work per parameter, checks=full/fast), "
+    "instances (12 compiled Adam, the 12th vs the 2nd), memory (peak at construction, pack_via), graph (many "
+    "small tensors, capturable, in a CUDA graph). What the device cannot measure (off CUDA: the graph row, kernel "
+    "time, the copy reference) is listed as not measured, with the reason. Writes JSON as it goes and prints "
+    "markdown tables, a summary and the targets (PASS/MISS)."
 )
 EXAMPLES = f"""examples:
-  dml-optim bench --quick                      # small smoke run (seconds once compiled)
-  dml-optim bench                              # full run: resnet50, bert-base-uncased, gpt2, many-small, one-64m
-  dml-optim bench --device cuda --out cuda.json
-  dml-optim bench --optimizers adam --workloads resnet50 many-small
+  dml-optim bench --quick                      # every row, small sizes: a smoke test
+  dml-optim bench                              # full CPU run (tens of minutes on 2 cores)
+  dml-optim bench --device cuda --budget 420   # full GPU run, no new measurement after 7 minutes
+  dml-optim bench --rows speed --optimizers adam adamw --workloads resnet50 many-small
+  dml-optim bench --rows host memory --out host.json
   python bench/run.py --quick                  # the same, from a source checkout
 
-workloads: a built-in model name (resnet50, gpt2, bert-base-uncased, vit-b-16,
-tiny-mlp, many-small), many-small-N (N x 1,024), one-Nk or one-Nm (one tensor
-of N * 2**10 or N * 2**20 elements), or the path of an inventory JSON file.
+workloads (speed rows): a built-in model name (resnet50, gpt2, bert-base-uncased,
+vit-b-16, tiny-mlp, many-small), many-small-N (N x 1,024), one-Nk or one-Nm (one
+tensor of N * 2**10 or N * 2**20 elements), or the path of an inventory JSON file.
 
 writes ./{DEFAULT_OUTPUT_DIR}/bench/<device>-<UTC date>.json (-quick.json with --quick) unless --out says otherwise
 """
@@ -46,38 +53,39 @@ def add_parser(sub):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dml_optim.benchmark import FULL_WORKLOADS, OPTIMIZERS, QUICK_WORKLOADS
+    from dml_optim.benchmark import OPTIMIZERS, QUICK_WORKLOADS, ROWS, default_rows, default_workloads
 
     p.add_argument("--quick", action="store_true",
-                   help=f"small workloads ({', '.join(QUICK_WORKLOADS)}), few rounds: a smoke test")
+                   help=f"small sizes (speed: {', '.join(QUICK_WORKLOADS)}), few rounds: a smoke test of every row")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "privateuseone"), help="device to measure on (default: cpu)")
     p.add_argument("--out", type=Path, default=None,
                    help=f"JSON output file (default: {DEFAULT_OUTPUT_DIR}/bench/<device>-<UTC date>.json; "
-                        "-quick.json with --quick)")
+                        "-quick.json with --quick), rewritten after every measurement")
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=None, metavar="ROW",
+                   help=f"rows to measure, of {', '.join(ROWS)} (default: cpu {' '.join(default_rows('cpu'))}; "
+                        f"cuda {' '.join(default_rows('cuda'))})")
     p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=None, metavar="NAME",
-                   help=f"optimizers to measure (default: all of {', '.join(OPTIMIZERS)})")
+                   help=f"optimizers of the speed, frozen and host rows (default: all of {', '.join(OPTIMIZERS)})")
     p.add_argument("--workloads", nargs="+", default=None, metavar="NAME",
-                   help=f"workloads (default: {', '.join(FULL_WORKLOADS)}; with --quick: {', '.join(QUICK_WORKLOADS)}); "
-                   "a built-in model name or an inventory JSON path, or many-small-N (N x 1,024), one-Nk and one-Nm "
-                   "(one tensor of N * 2**10 or N * 2**20 elements)")
+                   help=f"workloads of the speed rows (default: cpu {', '.join(default_workloads('cpu'))}; cuda "
+                        f"{', '.join(default_workloads('cuda'))}; with --quick: {', '.join(QUICK_WORKLOADS)}); a built-in "
+                        "model name or an inventory JSON path, or many-small-N (N x 1,024), one-Nk and one-Nm "
+                        "(one tensor of N * 2**10 or N * 2**20 elements)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="start no new measurement after this many seconds; the rest are listed as skipped")
 
 
 def run(args) -> int:
     from dml_optim import benchmark
     from dml_optim.cli import UsageError
     from dml_optim.console import Progress
-    from dml_optim.training import resolve_device
 
     try:
-        device = resolve_device(args.device)
-    except ValueError as exc:
-        raise UsageError(f"--device: {exc}") from None
-    workloads = list(args.workloads or (benchmark.QUICK_WORKLOADS if args.quick else benchmark.FULL_WORKLOADS))
-    for name in workloads:
-        try:
-            benchmark.workload(name)
-        except ValueError as exc:
-            raise UsageError(f"--workloads: {exc}") from None
+        plan = benchmark.make_plan(device=args.device, quick=args.quick, rows=args.rows, optimizers=args.optimizers,
+                                   workloads=args.workloads, budget_s=args.budget)
+    except ValueError as exc:  # "argument: message"
+        argument, _, message = str(exc).partition(": ")
+        raise UsageError(f"--{argument}: {message}") from None
     out = args.out or benchmark.default_output_path(args.device, quick=args.quick)
     if out.is_dir():
         raise UsageError(f"--out: '{out}' is a directory; give a file name")
@@ -85,14 +93,15 @@ def run(args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--out: cannot write '{out}' ({exc.strerror or exc})") from None
-    optimizers = list(args.optimizers or benchmark.OPTIMIZERS)
-    print(f"dml-optim bench{' --quick' if args.quick else ''}: device {device}, optimizers {', '.join(optimizers)}, "
-          f"workloads {', '.join(workloads)}; results to {out}", flush=True)
-    with Progress("bench", len(optimizers) * len(workloads), stream=sys.stdout, unit="group") as progress:
-        doc = benchmark.run_benchmark(device=args.device, quick=args.quick, optimizers=optimizers,
-                                      workloads=workloads, log=progress.write,
-                                      progress=lambda done, total, what: progress.update(done, what))
-    benchmark.write_json(doc, out)
-    print(benchmark.format_table(doc))
+    print(f"dml-optim bench{' --quick' if args.quick else ''}: device {plan.device}, rows {', '.join(plan.rows)}, "
+          f"optimizers {', '.join(plan.optimizers)}, workloads {', '.join(w.name for w in plan.workloads)}"
+          f"{f', budget {args.budget:g} s' if args.budget else ''}; {len(plan.tasks)} measurements; results to {out}",
+          flush=True)
+    with Progress("bench", len(plan.tasks), stream=sys.stdout, unit="measurement") as progress:
+        doc = benchmark.run_plan(plan, log=progress.write, progress=lambda done, total, what: progress.update(done, what),
+                                 checkpoint=lambda d: benchmark.write_json(d, out))
+    print(benchmark.format_report(doc))
+    print()
+    print(benchmark.format_summary(doc))
     print(f"\nwrote {out}")
     return 0

@@ -292,17 +292,17 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         """Whether ``torch.amp.GradScaler`` hands this optimizer ``grad_scale``/``found_inf``.
 
-        True only where in-step unscaling pays: float16/bfloat16 gradients
+        True only where in-step unscaling pays: float16 gradients
         (GradScaler's ``unscale_`` refuses them) and DirectML buffers (the step
         then unscales and skips on the device without GradScaler's host sync;
         GradScaler's own inf check and update still fall back to the CPU there,
         which is why :class:`~dml_optim.DynamicLossScaler` is the DirectML
-        path).  On CPU and CUDA with float32 gradients GradScaler unscales with
-        its own native kernels and calls ``step()`` only when nothing
-        overflowed; frameworks (Lightning's mixed precision with gradient
-        clipping) require that.
+        path).  On CPU and CUDA with float32 or bfloat16 gradients GradScaler
+        unscales with its own native kernels and calls ``step()`` only when
+        nothing overflowed, exactly as for torch.optim; frameworks (Lightning's
+        mixed precision with gradient clipping) require that.
         """
-        return any(flat.dtype in LOW_PRECISION_DTYPES or flat.device.type == "privateuseone"
+        return any(flat.dtype == torch.float16 or flat.device.type == "privateuseone"
                    for layout in self._layout for flat in layout.buffers)
 
     # -- stepping -------------------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""Optimizer-step benchmark: dml_optim beside torch.optim, measured side by side in one process.
+
+``dml-optim bench`` and ``bench/run.py`` run it; ``bench/README.md`` gives
+the method, the rows and the fields of the JSON document.  One module per job:
+
+* :mod:`~dml_optim.benchmark.workloads`: what is stepped over (model shapes,
+  the LoRA model, unfreezing stages) and its tensors;
+* :mod:`~dml_optim.benchmark.candidates`: the optimizers compared, built
+  through the registry, and the memory they hold;
+* :mod:`~dml_optim.benchmark.timing`: wall, CUDA-event and kernel time,
+  round-robin sampling, the bandwidth reference (triad; CUDA: copy);
+* the rows: :mod:`~dml_optim.benchmark.speed` (candidates side by side;
+  ops per step from :func:`dml_optim.opcount.count_ops`),
+  :mod:`~dml_optim.benchmark.frozen` (LoRA, gradual unfreezing),
+  :mod:`~dml_optim.benchmark.host` (host work per parameter; compiled
+  instances), :mod:`~dml_optim.benchmark.memory` (peak at construction),
+  :mod:`~dml_optim.benchmark.graphs` (capturable steps in a CUDA graph);
+* :mod:`~dml_optim.benchmark.targets`: the issues' targets, PASS/MISS;
+* :mod:`~dml_optim.benchmark.report`: tables, summary, the JSON file;
+* :mod:`~dml_optim.benchmark.run`: the plan of a run and running it.
+"""
+
+from dml_optim.benchmark.candidates import CANDIDATES, OPTIMIZERS
+from dml_optim.benchmark.report import default_output_path, format_report, format_summary, write_json
+from dml_optim.benchmark.run import ROWS, Plan, default_rows, make_plan, run_plan
+from dml_optim.benchmark.targets import check_targets
+from dml_optim.benchmark.workloads import QUICK_WORKLOADS, Workload, default_workloads, workload
+
+__all__ = [
+    "CANDIDATES", "OPTIMIZERS", "ROWS", "QUICK_WORKLOADS", "Workload", "Plan", "workload", "default_workloads",
+    "default_rows", "make_plan", "run_plan", "check_targets", "format_report", "format_summary",
+    "default_output_path", "write_json",
+]

@@ -1,0 +1,116 @@
+"""The optimizers a benchmark row compares, built through the registry, and what they hold.
+
+For an optimizer name of :mod:`dml_optim.optimizers.registry` (``adam``,
+``adamw``, ``adagrad``, ``momentum``), five candidates, each on its own copy
+of the same parameters:
+
+* ``dml_optim eager`` and ``dml_optim compiled``:
+  ``registry.build(name, params, backend=...)``;
+* ``torch for-loop`` (``foreach=False``), ``torch foreach`` (``foreach=True``)
+  and ``torch fused`` (``fused=True``): ``registry.torch_equivalent(name,
+  params, exact=False, ...)``, the nearest torch.optim twin (Adam's epsilon
+  is placed differently, which does not matter for speed).
+
+Hyperparameters are the registry's defaults (learning rate:
+``registry.lr_for``), on both sides.  dml_optim candidates get their own
+copy of the gradients (packed into their flat gradient buffer); torch.optim
+candidates share one read-only copy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from dml_optim.benchmark.timing import wall_seconds
+
+__all__ = ["OPTIMIZERS", "CANDIDATES", "TORCH_CANDIDATES", "BYTES_PER_ELEMENT", "Candidate", "start", "unavailable"]
+
+#: The optimizers the benchmark measures (registry names).
+OPTIMIZERS = ("adam", "adamw", "adagrad", "momentum")
+CANDIDATES = ("dml_optim eager", "dml_optim compiled", "torch for-loop", "torch foreach", "torch fused")
+TORCH_CANDIDATES = CANDIDATES[2:]
+_TORCH_FLAGS = {"torch for-loop": dict(foreach=False), "torch foreach": dict(foreach=True),
+                "torch fused": dict(foreach=None, fused=True)}
+
+#: Minimum traffic of one step, in elements read + written per parameter: Adam and AdamW read x, g, m, v
+#: and write x, m, v (float32: 28 bytes); Adagrad and Momentum read x, g and one state and write x and the state.
+BYTES_PER_ELEMENT = {"adam": 7, "adamw": 7, "adagrad": 5, "momentum": 5}
+
+
+class Candidate:
+    """One optimizer over its own parameters; ``step`` is what is timed (``opt.step`` unless replaced)."""
+
+    def __init__(self, name: str, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]):
+        self.name = name
+        self.opt = opt
+        self.params = params
+        self.step: Callable[[], object] = opt.step
+        self.first_step_s: float | None = None
+
+    @property
+    def ours(self) -> bool:
+        return self.name.startswith("dml_optim")
+
+    def attach(self, grads: list[torch.Tensor | None]) -> None:
+        """Give the parameters gradients (None: leave as is); dml_optim gets its own copies."""
+        for p, g in zip(self.params, grads):
+            if g is not None:
+                p.grad = g.clone() if self.ours else g
+
+    def optimizer_bytes(self) -> int:
+        """Memory the optimizer holds beyond parameters and gradients: states, scratch, master copy
+        and compensation for dml_optim (whose flat buffers replace the parameters' and gradients'
+        storage); the state tensors for torch.optim."""
+        if self.ours:
+            total = 0
+            for info in self.opt.flat_buffers():
+                tensors = list(info.states.values()) + list(info.scratch)
+                tensors += [t for t in (info.master, info.kahan) if t is not None]
+                total += sum(t.numel() * t.element_size() for t in tensors)
+            return total
+        return sum(t.numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor))
+
+
+def unavailable(name: str, device: torch.device) -> str | None:
+    """Why candidate ``name`` cannot run on ``device`` (None: it can)."""
+    if name == "dml_optim compiled":
+        from dml_optim.compiled import compile_available
+
+        ok, why = compile_available(device.type)
+        return None if ok else why
+    return None
+
+
+def start(name: str, optimizer: str, params: list[torch.nn.Parameter], grads: list[torch.Tensor | None],
+          device: torch.device, **options) -> Candidate:
+    """Build candidate ``name`` of ``optimizer`` over ``params`` and take its first step (timed).
+
+    ``options``: dml_optim options (``capturable``, ``checks``, ...); for
+    torch.optim only ``capturable``, set on its param groups (a torch.optim
+    group option).  A compile fallback raises instead of passing for
+    ``compiled``.
+    """
+    from dml_optim.compiled import CompileFallbackWarning
+    from dml_optim.optimizers.registry import build, torch_equivalent
+
+    if name not in CANDIDATES:
+        raise ValueError(f"candidate must be one of {', '.join(CANDIDATES)}, got {name!r}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        if name.startswith("dml_optim"):
+            opt = build(optimizer, params, backend=name.split()[-1], **options)
+        else:
+            extra = set(options) - {"capturable"}
+            if extra:
+                raise ValueError(f"options {sorted(extra)} apply to dml_optim only, got them for {name!r}")
+            opt = torch_equivalent(optimizer, params, exact=False, **_TORCH_FLAGS[name])
+            for group in opt.param_groups:
+                group.update(options)
+        cand = Candidate(name, opt, params)
+        cand.attach(grads)
+        cand.first_step_s = wall_seconds(cand.step, device, probe=params[-1])
+    return cand

@@ -1,0 +1,98 @@
+"""The host-work rows: what a step costs the CPU per parameter, and per live compiled instance.
+
+* **Host work** (:func:`measure_host_work`), on the CPU with one thread,
+  eager backend: a step over 2,000 parameters of 16 elements against a step
+  over one tensor of 32,000 elements (the same elements, so the difference
+  is per-parameter host work), with the default ``checks="full"`` (every
+  parameter's binding compared each step) and with ``checks="fast"`` (the
+  first and last parameter of each buffer only: the user promises not to
+  re-bind the others' ``.data`` or ``.grad`` between steps).  Ratios
+  ``many / one``; the target is at most 3x.  The ops each step dispatches
+  are counted too (:func:`dml_optim.opcount.count_ops`): the same for the
+  2,000 tensors as for the one, so the difference is host work, not kernels.
+* **Instances** (:func:`measure_instances`): 12 compiled Adam optimizers
+  built one after another over the same shapes (epsilon cycling through
+  three values: a tensor input of the kernel, not a constant), all kept
+  alive; instance 2 and instance 12 are timed side by side.  The ratio
+  ``12th / 2nd`` must stay at most 1.1: a later instance must not pay for
+  the earlier ones (guards, recompiles).  Dynamo's frame and graph counts
+  are recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from dml_optim.benchmark.candidates import start
+from dml_optim.benchmark.timing import round_robin, wall_seconds
+from dml_optim.benchmark.workloads import Workload, make_params, make_values, workload
+from dml_optim.opcount import count_ops
+
+__all__ = ["HOST_WORK_LIMIT", "INSTANCES_LIMIT", "measure_host_work", "measure_instances"]
+
+#: Target: a step over 2,000 x 16 elements costs at most this many times a step over one 32,000-element tensor.
+HOST_WORK_LIMIT = 3.0
+#: Target: the 12th compiled instance's step costs at most this many times the 2nd's.
+INSTANCES_LIMIT = 1.1
+_INSTANCES = 12
+_EPSILONS = (1e-8, 1e-6, 1e-4)
+
+
+def _candidate(name: str, optimizer: str, work: Workload, device: torch.device, dtype: torch.dtype, **options):
+    values = make_values(work, device, dtype, seed=0, scale=0.1)
+    grads = make_values(work, device, dtype, seed=7, scale=1e-2)
+    return start(name, optimizer, make_params(work, values), grads, device, **options)
+
+
+def measure_host_work(optimizer: str, settings: dict, log: Callable[[str], None]) -> dict:
+    """The host-work row of ``optimizer`` (CPU, one thread, eager)."""
+    cpu = torch.device("cpu")
+    many = Workload("2000x16", ((16,),) * 2000, "2,000 tensors of 16 elements")
+    one = Workload("1x32000", ((32000,),), "one tensor of 32,000 elements")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cands = {
+            "many, checks=full": _candidate("dml_optim eager", optimizer, many, cpu, torch.float32, checks="full"),
+            "many, checks=fast": _candidate("dml_optim eager", optimizer, many, cpu, torch.float32, checks="fast"),
+            "one tensor": _candidate("dml_optim eager", optimizer, one, cpu, torch.float32),
+        }
+        timed = round_robin({k: c.step for k, c in cands.items()}, lambda fn, inner: wall_seconds(fn, cpu, inner),
+                            settings)
+    finally:
+        torch.set_num_threads(threads)
+    us = {k: t["seconds"] * 1e6 for k, t in timed.items()}
+    row = {"optimizer": optimizer, "backend": "eager", "threads": 1, "limit": HOST_WORK_LIMIT,
+           "us_many_full": us["many, checks=full"], "us_many_fast": us["many, checks=fast"], "us_one": us["one tensor"],
+           "ratio_full": us["many, checks=full"] / us["one tensor"], "ratio_fast": us["many, checks=fast"] / us["one tensor"],
+           "ops_many_full": count_ops(cands["many, checks=full"].step),
+           "ops_many_fast": count_ops(cands["many, checks=fast"].step), "ops_one": count_ops(cands["one tensor"].step),
+           "samples": min(t["samples"] for t in timed.values())}
+    log(f"  host work {optimizer}: 2000x16 {row['us_many_full']:.0f} us (checks=full), {row['us_many_fast']:.0f} us "
+        f"(checks=fast); 1x32000 {row['us_one']:.0f} us: {row['ratio_full']:.2f}x / {row['ratio_fast']:.2f}x")
+    return row
+
+
+def measure_instances(device: torch.device, dtype: torch.dtype, settings: dict, log: Callable[[str], None], *,
+                      quick: bool) -> dict:
+    """The instances row: 12 compiled Adam instances over ``many-small-256`` (``many-small-16`` with ``quick``)."""
+    from torch._dynamo.utils import counters
+
+    work = workload("many-small-16" if quick else "many-small-256")
+    frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+    cands = [_candidate("dml_optim compiled", "adam", work, device, dtype, epsilon=_EPSILONS[i % len(_EPSILONS)])
+             for i in range(_INSTANCES)]
+    second, last = cands[1], cands[-1]
+    timed = round_robin({"2nd": second.step, "12th": last.step},
+                        lambda fn, inner: wall_seconds(fn, device, inner, last.params[-1]), settings)
+    row = {"optimizer": "adam", "backend": "compiled", "workload": work.name, "instances": _INSTANCES,
+           "limit": INSTANCES_LIMIT, "first_step_ms": [c.first_step_s * 1e3 for c in cands],
+           "ms_2nd": timed["2nd"]["seconds"] * 1e3, "ms_12th": timed["12th"]["seconds"] * 1e3,
+           "ratio": timed["12th"]["seconds"] / timed["2nd"]["seconds"],
+           "frames_compiled": counters["frames"]["total"] - frames, "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
+           "samples": timed["2nd"]["samples"]}
+    log(f"  instances: 2nd {row['ms_2nd']:.3f} ms, 12th {row['ms_12th']:.3f} ms ({row['ratio']:.2f}x); "
+        f"{row['graphs_compiled']} graph(s), {row['frames_compiled']} frame(s) compiled")
+    return row

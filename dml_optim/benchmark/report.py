@@ -1,0 +1,196 @@
+"""The result document as text and as a file: markdown tables, a compact summary, the JSON.
+
+:func:`format_report` prints every section of a document (speed rows, the
+references, compile times, memory, CUDA graphs, instances, host work,
+failures, what was not measured and why, targets); :func:`format_summary` one
+line per speed measurement (what ``backend="auto"`` runs beside torch.optim)
+and the targets.  The tables of the memory, graph, instances and host rows
+and of the targets are public: ``tools/readme_tables.py`` puts them in the
+README.  :func:`write_json` writes the document; :func:`default_output_path`
+is where.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any
+
+from dml_optim.benchmark.targets import reference, speed_row
+from dml_optim.console import DEFAULT_OUTPUT_DIR
+
+__all__ = ["format_report", "format_summary", "memory_table", "graph_table", "instances_table", "host_table",
+           "targets_table", "not_measured_lines", "default_output_path", "write_json"]
+
+
+def _f(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else format(value, spec) + suffix
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def _table(header: list[str], rows: list[list[str]], right: int, left_last: int = 0) -> list[str]:
+    """A markdown table; columns from ``right`` on are right-aligned, except the last ``left_last``."""
+    align = ["---:" if right <= i < len(header) - left_last else "---" for i in range(len(header))]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _header(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    where = m.get("gpu") or m.get("cpu_model", m.get("processor"))
+    return (f"device: {doc['device']} ({where}; {m.get('cpu_count')} CPUs, torch {m['torch']}, {doc['dtype']}), "
+            f"{doc['created']}{'' if doc['complete'] else ' (incomplete)'}, {doc['elapsed_s']:.0f} s")
+
+
+def _speed(doc: dict[str, Any]) -> list[str]:
+    if not doc["results"]:
+        return []
+    kernels = any(r["kernel_ms"] is not None for r in doc["results"])
+    header = ["optimizer", "workload", "candidate", "ms/step", "vs best torch", "GB/s", "% ref"]
+    header += ["kernel ms", "kernel % ref"] if kernels else []
+    header += ["ops/step", "optimizer MB", "first step ms"]
+    rows = []
+    for r in doc["results"]:
+        ref = reference(doc, r["optimizer"], r["workload"])
+        name = r["candidate"] + (" (auto)" if ref and r["candidate"] == f"dml_optim {ref['auto_backend']}" else "")
+        if r["ms_per_step"] is None:
+            rows.append([r["optimizer"], r["workload"], name, "n/a"] + [""] * (len(header) - 4))
+            continue
+        cells = [r["optimizer"], r["workload"], name, f"{r['ms_per_step']:.3f}", _f(r["ratio_to_best_torch"], ".2f", "x"),
+                 f"{r['gbs']:.1f}", _pct(r["fraction_of_reference"])]
+        if kernels:
+            cells += [_f(r["kernel_ms"], ".3f"), _pct(r["kernel_fraction_of_reference"])]
+        cells += [_f(r["ops_per_step"], "d"), _f(None if r["optimizer_bytes"] is None else r["optimizer_bytes"] / 2**20, ".1f"),
+                  f"{r['first_step_ms']:.1f}"]
+        rows.append(cells)
+    lines = _table(header, rows, 3)
+    lines += ["", *_table(["bandwidth reference", "optimizer", "workload", "ms", "GB/s", "kernel GB/s"],
+                          [[f"{x['reference']} of {x['reference_elements']:,}", x["optimizer"], x["workload"],
+                            f"{x['reference_ms']:.3f}", f"{x['reference_gbs']:.1f}", _f(x["reference_kernel_gbs"], ".1f")]
+                           for x in doc["references"]], 3)]
+    compiles = [r for r in doc["results"] if r["candidate"] == "dml_optim compiled" and r["compile_s"] is not None]
+    if compiles:
+        lines += ["", *_table(["compile time (first compiled step minus a steady one)", "workload", "s"],
+                              [[r["optimizer"], r["workload"], f"{r['compile_s']:.2f}"] for r in compiles], 2)]
+    return lines
+
+
+def memory_table(doc: dict[str, Any]) -> list[str]:
+    """The memory row: peak and final memory of construction per model and ``pack_via``."""
+    if not doc["memory"]:
+        return []
+    return _table(["construction memory", "pack_via", "counter", "trainable MB", "peak / trainable", "after / trainable"],
+                  [[r["workload"], r["pack_via"], r["counter"], f"{r['trainable_bytes'] / 2**20:.1f}",
+                    f"{r['peak_ratio']:.2f}x", f"{r['after_ratio']:.2f}x"] for r in doc["memory"]], 3)
+
+
+def graph_table(doc: dict[str, Any]) -> list[str]:
+    """The CUDA-graph row: each candidate replayed in a graph and stepped plainly."""
+    lines = []
+    for g in doc["graphs"]:
+        lines += _table([f"{g['workload']} Adam, capturable=True", "mode", "ms/step", "first step ms"],
+                        [[r["candidate"] + (" (auto)" if r["candidate"] == f"dml_optim {g['auto_backend']}" else ""),
+                          r["mode"], _f(r["ms_per_step"], ".4f") if r["available"] else f"n/a ({r['reason']})",
+                          _f(r["first_step_ms"], ".1f")] for r in g["rows"]], 2)
+    return lines
+
+
+def instances_table(doc: dict[str, Any]) -> list[str]:
+    """The instances row: the 12th compiled instance's step beside the 2nd's."""
+    if not doc["instances"]:
+        return []
+    return _table(["instances (compiled Adam)", "workload", "2nd ms", "12th ms", "12th / 2nd", "graphs compiled"],
+                  [[str(r["instances"]), r["workload"], f"{r['ms_2nd']:.4f}", f"{r['ms_12th']:.4f}", f"{r['ratio']:.2f}x",
+                    str(r["graphs_compiled"])] for r in doc["instances"]], 2)
+
+
+def host_table(doc: dict[str, Any]) -> list[str]:
+    """The host row: a step over 2,000 x 16 elements (``checks`` full and fast) beside one over 1 x 32,000."""
+    if not doc["host_work"]:
+        return []
+    return _table(["host work (eager, cpu, 1 thread)", "2000x16 us, checks=full", "checks=fast", "1x32000 us",
+                   "full / one", "fast / one", "ops/step: 2000x16 / 1x32000"],
+                  [[r["optimizer"], f"{r['us_many_full']:.0f}", f"{r['us_many_fast']:.0f}", f"{r['us_one']:.0f}",
+                    f"{r['ratio_full']:.2f}x", f"{r['ratio_fast']:.2f}x",
+                    f"{_f(r.get('ops_many_full'), 'd')} / {_f(r.get('ops_one'), 'd')}"] for r in doc["host_work"]], 1)
+
+
+def _measured(t: dict[str, Any]) -> str:
+    value = t["measured"]
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.0f}%" if t["unit"] == "fraction" else f"{value:.3f} ms" if t["unit"] == "ms" else f"{value:.2f}x"
+
+
+def targets_table(doc: dict[str, Any]) -> list[str]:
+    """Every target: what dml_optim ran, the value measured, PASS / MISS / not measured."""
+    return _table(["target", "dml_optim backend", "measured", "status"],
+                  [[t["target"], t["dml_backend"] or "", _measured(t), t["status"]] for t in doc["targets"]],
+                  2, left_last=1)
+
+
+def not_measured_lines(doc: dict[str, Any]) -> list[str]:
+    """``not measured: WHAT: why`` per row or figure the run left out (absent in documents older than the list)."""
+    return [f"not measured: {n['what']}: {n['reason']}" for n in doc.get("not_measured", [])]
+
+
+def _failures(doc: dict[str, Any]) -> list[str]:
+    lines = [f"FAILED {e['task']}: {e['error']}" for e in doc["errors"]]
+    lines += [f"skipped (budget): {label}" for label in doc["skipped"]]
+    lines += [f"note: {r['optimizer']} {r['workload']} {r['candidate']}: {r['error']}" for r in doc["results"] if r["error"]]
+    return lines
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    """Every section of ``doc`` as markdown tables, then failures and the targets."""
+    parts = [[_header(doc)], _speed(doc), memory_table(doc), graph_table(doc), instances_table(doc), host_table(doc),
+             _failures(doc), not_measured_lines(doc), targets_table(doc)]
+    return "\n\n".join("\n".join(p) for p in parts if p)
+
+
+def format_summary(doc: dict[str, Any]) -> str:
+    """One line per speed measurement (dml_optim ``auto`` beside torch fused and the best torch.optim),
+    and the targets' counts."""
+    rows = []
+    for ref in doc["references"]:
+        mine = speed_row(doc, ref["optimizer"], ref["workload"], f"dml_optim {ref['auto_backend']}")
+        fused = speed_row(doc, ref["optimizer"], ref["workload"], "torch fused")
+        if mine is None or mine["ms_per_step"] is None:
+            continue
+        vs_fused = None if fused is None or fused["ms_per_step"] is None else fused["ms_per_step"] / mine["ms_per_step"]
+        rows.append([ref["optimizer"], ref["workload"], f"{mine['ms_per_step']:.3f} ({ref['auto_backend']})",
+                     _f(None if fused is None else fused["ms_per_step"], ".3f"), _f(vs_fused, ".2f", "x"),
+                     _f(mine["ratio_to_best_torch"], ".2f", "x"), _pct(mine["fraction_of_reference"]),
+                     _f(mine["ops_per_step"], "d")])
+    counts = {s: sum(t["status"] == s for t in doc["targets"]) for s in ("PASS", "MISS", "not measured")}
+    lines = ["summary: " + _header(doc)]
+    if rows:
+        lines += _table(["optimizer", "workload", "dml_optim ms (auto)", "torch fused ms", "vs fused", "vs best torch",
+                         f"% {doc['references'][0]['reference']}", "ops/step"], rows, 2)
+    lines.append(f"targets: {counts['PASS']} PASS, {counts['MISS']} MISS, {counts['not measured']} not measured; "
+                 f"{len(doc['errors'])} failed, {len(doc['skipped'])} skipped")
+    return "\n".join(lines)
+
+
+def default_output_path(device: str, root: Path = DEFAULT_OUTPUT_DIR, *, quick: bool = False) -> Path:
+    """``<root>/bench/<device>-<UTC date>.json`` (``...-quick.json`` for ``--quick``).
+
+    ``root`` defaults to :data:`dml_optim.console.DEFAULT_OUTPUT_DIR`
+    (``dml-optim-out``, relative to the working directory).  The repository's
+    recorded results live in ``bench/results/`` and are written there only
+    with an explicit ``--out``.
+    """
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    suffix = "-quick" if quick else ""
+    return Path(root) / "bench" / f"{device.split(':')[0]}-{date}{suffix}.json"
+
+
+def write_json(doc: dict[str, Any], path: Path) -> None:
+    """Write ``doc`` as indented JSON (to a temporary file, then renamed), creating the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,147 @@
+"""The speed rows: every candidate of one (optimizer, workload), side by side in one process.
+
+:func:`start_candidates` builds the candidates (n/a ones say why) and takes
+their first steps; :func:`measure` times them round-robin together with the
+bandwidth reference (:class:`~dml_optim.benchmark.timing.Reference`) and fills
+one row per candidate:
+
+* ``ms_per_step``: wall time (``inner`` back-to-back steps between two
+  synchronizations; at least 20 on CUDA), median over the rounds;
+* ``kernel_ms`` (CUDA): the device time of the step's kernels, from
+  ``torch.profiler``;
+* ``gbs``: the minimum bytes a step must move
+  (:data:`~dml_optim.benchmark.candidates.BYTES_PER_ELEMENT`) per second, and
+  ``fraction_of_reference`` (``kernel_fraction_of_reference``): it as a
+  fraction of the reference's bytes per second, wall (kernel) times;
+* ``ops_per_step``: :func:`dml_optim.opcount.count_ops` (views excluded, a
+  compiled kernel call is one op); ``optimizer_bytes``; ``first_step_ms``
+  and, for ``compiled``, ``compile_s``.
+
+:func:`measure_group` is the two for one workload.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from dml_optim.benchmark.candidates import BYTES_PER_ELEMENT, CANDIDATES, TORCH_CANDIDATES, Candidate, start, unavailable
+from dml_optim.benchmark.common import error_text
+from dml_optim.benchmark.timing import Reference, kernel_seconds, round_robin, wall_seconds
+from dml_optim.benchmark.workloads import Workload, make_params, make_values
+from dml_optim.opcount import count_ops
+
+__all__ = ["ROW_FIELDS", "gradients", "start_candidates", "measure", "measure_group"]
+
+#: The fields of every speed row (None where not measured).
+ROW_FIELDS = (
+    "optimizer", "workload", "candidate", "available", "reason", "ms_per_step", "steps_per_s", "ratio_to_best_torch",
+    "gbs", "fraction_of_reference", "kernel_ms", "kernel_gbs", "kernel_fraction_of_reference", "ops_per_step",
+    "optimizer_bytes", "first_step_ms", "compile_s", "samples", "inner_steps", "error",
+)
+#: Steps the profiler records per candidate for ``kernel_ms`` (one where a step launches thousands of kernels).
+_PROFILED_STEPS = 3
+_MANY_OPS = 1000
+
+
+def gradients(work: Workload, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """The gradients every candidate of ``work`` gets (None for frozen parameters)."""
+    return make_values(work, device, dtype, seed=7, scale=1e-2, trainable_only=True)
+
+
+def start_candidates(optimizer: str, work: Workload, device: torch.device, dtype: torch.dtype,
+                     log: Callable[[str], None]) -> tuple[list[Candidate], dict[str, dict]]:
+    """Every candidate that can run, its first step taken, and a row per candidate (n/a ones with the reason)."""
+    values = make_values(work, device, dtype, seed=0, scale=0.1)
+    grads = gradients(work, device, dtype)
+    cands: list[Candidate] = []
+    rows: dict[str, dict] = {}
+    for name in CANDIDATES:
+        row = dict.fromkeys(ROW_FIELDS)
+        row.update(optimizer=optimizer, workload=work.name, candidate=name, available=False)
+        rows[name] = row
+        why = unavailable(name, device)
+        if why is None:
+            try:
+                cands.append(start(name, optimizer, make_params(work, values), grads, device))
+                row["available"] = True
+            except Exception as exc:  # torch refuses fused for this device/dtype, compile failed, out of memory, ...
+                why = error_text(exc)
+        row["reason"] = why
+        if why:
+            log(f"  {optimizer:8} {work.name:18} {name:20} n/a ({why})")
+    return cands, rows
+
+
+def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work: Workload, device: torch.device,
+            dtype: torch.dtype, settings: dict, log: Callable[[str], None]) -> tuple[list[dict], dict]:
+    """Time ``cands`` round-robin beside the reference; fill and return their rows, and the reference's record."""
+    from dml_optim.backends import resolve
+
+    numel = work.trainable_numel
+    ref = Reference(numel, device, dtype)
+    steps = {c.name: c.step for c in cands}
+    steps["reference"] = ref.step
+    timed = round_robin(steps, lambda fn, inner: wall_seconds(fn, device, inner, ref.probe), settings,
+                        {c.name: c.first_step_s for c in cands})
+    elem = torch.empty((), dtype=dtype).element_size()
+    step_bytes = BYTES_PER_ELEMENT[optimizer] * elem * numel
+    ref_s = timed["reference"]["seconds"]
+    for c in cands:
+        row = rows[c.name]
+        s = timed[c.name]["seconds"]
+        row.update(ms_per_step=s * 1e3, steps_per_s=1 / s, gbs=step_bytes / s / 1e9,
+                   fraction_of_reference=ref_s / s * step_bytes / ref.bytes_moved,
+                   first_step_ms=c.first_step_s * 1e3, samples=timed[c.name]["samples"], inner_steps=timed[c.name]["inner"])
+        row["compile_s"] = max(0.0, c.first_step_s - s) if c.name == "dml_optim compiled" else None
+        try:
+            row["optimizer_bytes"] = c.optimizer_bytes()
+            row["ops_per_step"] = count_ops(c.step)
+        except Exception as exc:  # recorded; the row keeps its times
+            row["error"] = error_text(exc)
+    ref_kernel = None
+    if device.type == "cuda" and settings["kernel_time"]:
+        ref_kernel = _kernel(ref.step, None, {})
+        for c in cands:
+            k = _kernel(c.step, rows[c.name]["ops_per_step"], rows[c.name])
+            if k is not None:
+                rows[c.name].update(kernel_ms=k * 1e3, kernel_gbs=step_bytes / k / 1e9)
+                if ref_kernel is not None:
+                    rows[c.name]["kernel_fraction_of_reference"] = ref_kernel / k * step_bytes / ref.bytes_moved
+    torch_ms = [rows[n]["ms_per_step"] for n in TORCH_CANDIDATES if rows[n]["ms_per_step"] is not None]
+    for row in rows.values():
+        if row["ms_per_step"] is not None and torch_ms:
+            row["ratio_to_best_torch"] = min(torch_ms) / row["ms_per_step"]
+    reference = {
+        "optimizer": optimizer, "workload": work.name, "reference": ref.kind, "reference_elements": ref.numel,
+        "reference_ms": ref_s * 1e3, "reference_gbs": ref.bytes_moved / ref_s / 1e9,
+        "reference_kernel_ms": None if ref_kernel is None else ref_kernel * 1e3,
+        "reference_kernel_gbs": None if ref_kernel is None else ref.bytes_moved / ref_kernel / 1e9,
+        "auto_backend": resolve("auto", device, numel), "rounds": min(t["samples"] for t in timed.values()),
+        "trainable_elements": numel,
+    }
+    auto = rows[f"dml_optim {reference['auto_backend']}"]
+    log(f"  {optimizer:8} {work.name:18} dml_optim (auto) {_ms(auto['ms_per_step'])}, best torch.optim "
+        f"{_ms(min(torch_ms) if torch_ms else None)}, {ref.kind} {ref_s * 1e3:.3f} ms")
+    return list(rows.values()), reference
+
+
+def _kernel(step: Callable[[], object], ops: int | None, row: dict) -> float | None:
+    """Kernel seconds per step, or None with the error recorded in ``row`` (the profiler is optional)."""
+    try:
+        return kernel_seconds(step, 1 if ops is not None and ops > _MANY_OPS else _PROFILED_STEPS)
+    except Exception as exc:
+        row["error"] = error_text(exc)
+        return None
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f} ms"
+
+
+def measure_group(optimizer: str, work: Workload, device: torch.device, dtype: torch.dtype, settings: dict,
+                  log: Callable[[str], None]) -> tuple[list[dict], dict]:
+    """Build and time every candidate of (``optimizer``, ``work``)."""
+    cands, rows = start_candidates(optimizer, work, device, dtype, log)
+    return measure(cands, rows, optimizer, work, device, dtype, settings, log)

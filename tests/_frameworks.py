@@ -1,0 +1,100 @@
+"""Shared by the framework integration tests (accelerate, Transformers' Trainer, Lightning, FSDP2, AMP).
+
+Each of our optimizers is paired with the ``torch.optim`` optimizer that computes the same
+update (docs/design.md, §2, "Equivalences used as test oracles"):
+
+* ``Momentum(alpha)`` is ``SGD(momentum=alpha)`` exactly (the same two ops): compared bit for bit;
+* ``Adam(epsilon=0)`` and ``DmlAdam(epsilon=0)`` are ``Adam(eps=0)``; the bias correction is
+  computed in another order, so float32 results differ by a few ulps (``TORCH_ADAM_FLOAT32``);
+* ``AdamW`` is ``AdamW`` (the same formula rewritten with one division fewer: 1 ulp).
+
+The frameworks are optional for a developer (the ``test`` extra installs them, CI has them):
+``need(name)`` imports one or skips the module with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+from tolerances import TOL, TORCH_ADAM_FLOAT32
+
+import dml_optim
+
+EXTRA_HINT = "install the test extra: pip install -e '.[test]'"
+
+
+def need(module: str):
+    """Import ``module`` or skip the calling test module, naming what is missing and how to get it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # a reasoned skip: CI installs the extra, a developer may not have it
+        pytest.skip(f"{module} is not installed ({exc}); {EXTRA_HINT}", allow_module_level=True)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One of ours and its torch.optim twin, both built as ``make(params, lr)``."""
+
+    id: str
+    ours: Callable[..., torch.optim.Optimizer]
+    theirs: Callable[..., torch.optim.Optimizer]
+    exact: bool = False
+
+    def assert_same(self, actual, expected, dtype=torch.float32, what="", tol=None):
+        """``actual`` (ours) equals ``expected`` (torch's): bit for bit when the pair is exact and no
+        ``tol`` is given, else to ``tol`` (default: the pair's tolerance for ``dtype``)."""
+        actual, expected = list(actual), list(expected)
+        assert len(actual) == len(expected), what
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            a, e = a.detach().cpu(), e.detach().cpu()
+            assert a.dtype == e.dtype, f"{self.id} {what} tensor {i}: {a.dtype} vs {e.dtype}"
+            if self.exact and tol is None:
+                assert torch.equal(a, e), f"{self.id} {what} tensor {i}: max |diff| {(a - e).abs().max().item()}"
+            else:
+                if tol is None:
+                    tol = TORCH_ADAM_FLOAT32 if dtype == torch.float32 else TOL[dtype]
+                torch.testing.assert_close(a, e, **tol, msg=lambda m, i=i: f"{self.id} {what} tensor {i}: {m}")
+
+
+PAIRS = [
+    Pair("momentum", lambda p, lr: dml_optim.Momentum(p, lr=lr, alpha=0.9),
+         lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9), exact=True),
+    Pair("adam", lambda p, lr: dml_optim.Adam(p, lr=lr, epsilon=0.0),
+         lambda p, lr: torch.optim.Adam(p, lr=lr, eps=0.0)),
+    Pair("dml-adam", lambda p, lr: dml_optim.DmlAdam(p, lr=lr, epsilon=0.0),
+         lambda p, lr: torch.optim.Adam(p, lr=lr, eps=0.0)),
+    Pair("adamw", lambda p, lr: dml_optim.AdamW(p, lr=lr, weight_decay=0.1),
+         lambda p, lr: torch.optim.AdamW(p, lr=lr, weight_decay=0.1)),
+]
+PAIR_IDS = [p.id for p in PAIRS]
+BY_ID = {p.id: p for p in PAIRS}
+
+
+def reset_accelerate():
+    """accelerate keeps process-wide singletons; every Accelerator (and every Trainer) starts afresh."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def params_of(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def moved(before, after) -> bool:
+    return any(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(before, after))
+
+
+def amp_future_warnings(caught) -> list[str]:
+    """The FutureWarnings among ``caught`` that come from torch's AMP or from us (GradScaler's
+    deprecated ``step(grad_scaler=...)`` protocol warns from torch/amp/grad_scaler.py); the
+    frameworks' own deprecation notices about their internals are not ours to judge."""
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+            if issubclass(w.category, FutureWarning)
+            and ("scaler" in str(w.message).lower() or "dml_optim" in w.filename
+                 or "amp" in w.filename.replace("\\", "/").split("/"))]

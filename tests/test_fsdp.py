@@ -1,0 +1,304 @@
+"""Our optimizers under FSDP2 (``torch.distributed.fsdp.fully_shard``), against torch.optim under the same sharding.
+
+One job of two gloo processes on the CPU (loopback only) shards a small MLP layer by layer
+(``fully_shard`` on each Linear, then on the root), so every parameter is a DTensor of which
+each rank holds one shard.  For Momentum (vs ``SGD``), Adam with epsilon 0 (vs ``Adam(eps=0)``)
+and AdamW (vs ``AdamW``), each rank runs:
+
+* ``ours`` / ``torch``: ``STEPS`` steps on its own batches (FSDP averages the gradients), each
+  after ``clip_grad_norm_`` over the DTensor gradients;
+* ``ours-resumed`` / ``torch-resumed``: ``RESUME_AT`` steps; ``dcp.save`` of the model's and
+  the optimizer's state dicts (``get_state_dict``, the ``torch.distributed.checkpoint.state_dict``
+  helpers) to a folder; a fresh model and optimizer; ``dcp.load`` and ``set_state_dict``; the
+  remaining steps.  That must equal the uninterrupted run bit for bit.
+
+The workers write the gathered parameters (``full_tensor()``), the consolidated optimizer state
+(``get_optimizer_state_dict`` with ``full_state_dict=True``) and facts about the optimizer (flat
+buffer sizes against the local shards, the types of the state tensors) to files; the tests
+compare them here.  The reference for "FSDP itself is right" is one process training on
+both ranks' batches at once.
+
+The worker is this file run as a script: ``python tests/test_fsdp.py --worker RANK WORLD PORT OUTDIR``.
+``fully_shard`` is public from torch 2.6; on older torch (2.4.1, which torch-directml pins) the
+module skips with that reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import dml_optim
+
+WORLD = 2
+STEPS = 6
+RESUME_AT = 3
+ROWS_PER_RANK = 4
+DIST_TIMEOUT_S = 180  # the whole job; the tests never assert on time
+
+#: name -> (ours, torch's), each built as make(params)
+PAIRS = {
+    "momentum": (lambda p: dml_optim.Momentum(p, lr=0.1, alpha=0.9),
+                 lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+    "adam": (lambda p: dml_optim.Adam(p, lr=1e-2, epsilon=0.0),
+             lambda p: torch.optim.Adam(p, lr=1e-2, eps=0.0)),
+    "adamw": (lambda p: dml_optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+}
+EXACT = {"momentum"}
+
+
+def plain_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 13 rows: the first Linear's weight does not split evenly over two ranks (FSDP2 pads it)
+    return torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5), torch.nn.Tanh(),
+                               torch.nn.Linear(5, 3))
+
+
+def batches(rank: int) -> list[torch.Tensor]:
+    out = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 + step * WORLD + rank)
+        out.append(torch.randn(ROWS_PER_RANK, 8, generator=g))
+    return out
+
+
+def loss_fn(model, x):
+    return model(x).square().mean()
+
+
+#: ``clip_grad_norm_`` before each step: the global gradient norm is 0.50, 0.45, 0.43, 0.26, 0.19,
+#: 0.12 over the 6 steps (one process, global batch), so clipping engages on the first three.
+CLIP = 0.3
+
+
+def train(model, opt, xs) -> None:
+    for x in xs:
+        opt.zero_grad()
+        loss_fn(model, x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # FSDP2: DTensor gradients, a global norm
+        opt.step()
+
+
+# -- the worker (runs in each of the two processes) ------------------------------
+
+
+def _sharded_model():
+    from torch.distributed.fsdp import fully_shard
+
+    model = plain_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _worker(rank: int, world: int, port: int, out: Path) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    xs = batches(rank)
+    facts = {}
+    try:
+        for name, makers in PAIRS.items():
+            for side, make in zip(("ours", "torch"), makers):
+                model = _sharded_model()
+                opt = make(model.parameters())
+                train(model, opt, xs)
+                full = [p.full_tensor() for p in model.parameters()]
+                # the consolidated optimizer state (FQN keys, full tensors, on rank 0): a collective
+                full_osd = get_optimizer_state_dict(model, opt,
+                                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                if rank == 0:
+                    torch.save(full_osd["state"], out / f"{name}.{side}.full-optim.pt")
+                if side == "ours":
+                    sd = opt.state_dict()
+                    facts[name] = {
+                        "params_are_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+                        "flat_numel": sum(b.numel for b in opt.flat_buffers()),
+                        "local_numel": sum(p.to_local().numel() for p in model.parameters()),
+                        "state_types": sorted({type(v).__name__ for s in sd["state"].values()
+                                               for k, v in s.items() if k != "step"}),
+                    }
+
+                # checkpoint mid-run through torch.distributed.checkpoint, resume in a fresh model and optimizer
+                model = _sharded_model()
+                opt = make(model.parameters())
+                train(model, opt, xs[:RESUME_AT])
+                model_sd, optim_sd = get_state_dict(model, opt)
+                facts.setdefault(name, {})[f"{side}_dcp_state_types"] = sorted(
+                    {type(v).__name__ for s in optim_sd["state"].values() for k, v in s.items() if k != "step"})
+                folder = out / f"ckpt-{name}-{side}"
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+                del model, opt
+                model = _sharded_model()
+                opt = make(model.parameters())
+                model_sd, optim_sd = get_state_dict(model, opt)
+                loaded = {"model": model_sd, "optim": optim_sd}
+                dcp.load(loaded, checkpoint_id=str(folder))
+                set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+                train(model, opt, xs[RESUME_AT:])
+                resumed = [p.full_tensor() for p in model.parameters()]
+                if rank == 0:
+                    torch.save(full, out / f"{name}.{side}.pt")
+                    torch.save(resumed, out / f"{name}.{side}-resumed.pt")
+        (out / f"facts.rank{rank}.json").write_text(json.dumps(facts))
+        (out / f"done.rank{rank}").touch()
+        dist.barrier()  # rank 0 hosts the store: nobody leaves while another rank still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the parent: run the job once per module --------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _missing() -> str | None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "torch.distributed is not available in this torch build"
+    if not dist.is_gloo_available():
+        return "torch.distributed has no gloo backend in this torch build"
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no public torch.distributed.fsdp.fully_shard (FSDP2 is public from 2.6)"
+    return None
+
+
+if __name__ != "__main__":
+    import pytest
+
+    pytestmark = pytest.mark.slow
+
+    def _run_job(out: Path) -> tuple[list[int], list[str]]:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+        if sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+        port = _free_port()
+        logs = [out / f"worker{r}.log" for r in range(WORLD)]
+        procs = []
+        for r in range(WORLD):
+            with open(logs[r], "w") as log:  # a file, not a pipe: a full pipe would block a rank
+                procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(WORLD), str(port),
+                                               str(out)], env=env, stdout=log, stderr=subprocess.STDOUT))
+        try:
+            for p in procs:
+                p.wait(timeout=DIST_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"the FSDP2 job did not finish in {DIST_TIMEOUT_S} s")
+        return [p.returncode for p in procs], [log.read_text() for log in logs]
+
+    @pytest.fixture(scope="module")
+    def job(tmp_path_factory):
+        missing = _missing()
+        if missing:
+            pytest.skip(missing)
+        out = tmp_path_factory.mktemp("fsdp")
+        codes, logs = _run_job(out)
+        if codes != [0] * WORLD and any("address already in use" in log.lower() for log in logs):
+            codes, logs = _run_job(out)  # another process took the free port in between: once more
+        ok = codes == [0] * WORLD and all((out / f"done.rank{r}").exists() for r in range(WORLD))
+        assert ok, "worker failed:\n" + "\n".join(
+            f"--- rank {r} (exit {c})\n{log[-4000:]}" for r, (c, log) in enumerate(zip(codes, logs)))
+        return out
+
+    def _load(job: Path, name: str, tag: str) -> list[torch.Tensor]:
+        return torch.load(job / f"{name}.{tag}.pt", weights_only=True)
+
+    def _same(name: str, actual, expected, what: str) -> None:
+        from tolerances import TORCH_ADAM_FLOAT32
+
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            if name in EXACT:
+                assert torch.equal(a, e), f"{name} {what} tensor {i}: max |diff| {(a - e).abs().max().item()}"
+            else:
+                torch.testing.assert_close(a, e, **TORCH_ADAM_FLOAT32,
+                                           msg=lambda m, i=i: f"{name} {what} tensor {i}: {m}")
+
+    @pytest.mark.parametrize("name", list(PAIRS))
+    def test_fully_shard_then_ours_trains_like_torch(job, name):
+        """``fully_shard`` on 2 gloo ranks, then ``dml_optim.X(model.parameters())``: equal to torch.optim."""
+        ours, theirs = _load(job, name, "ours"), _load(job, name, "torch")
+        assert any(not torch.equal(a, b) for a, b in zip(ours, plain_model().parameters())), "never moved"
+        _same(name, ours, theirs, "ours vs torch.optim under FSDP2")
+
+    @pytest.mark.parametrize("name", list(PAIRS))
+    def test_fsdp_equals_one_process_on_the_global_batch(job, name):
+        """FSDP2 averages the ranks' gradients: one process on both ranks' rows takes the same steps."""
+        model = plain_model()
+        opt = PAIRS[name][1](model.parameters())
+        per_rank = [batches(r) for r in range(WORLD)]
+        train(model, opt, [torch.cat(xs) for xs in zip(*per_rank)])
+        from tolerances import TOL
+
+        for a, e in zip(_load(job, name, "ours"), model.parameters(), strict=True):
+            torch.testing.assert_close(a, e.detach(), **TOL[torch.float32])
+
+    @pytest.mark.parametrize("side", ["ours", "torch"])
+    @pytest.mark.parametrize("name", list(PAIRS))
+    def test_dcp_checkpoint_resume_equals_an_uninterrupted_run(job, name, side):
+        """``dcp.save``/``dcp.load`` of model and optimizer (``get_state_dict``/``set_state_dict``)
+        mid-run, resumed in a fresh model and optimizer: bit-identical to the run without the break."""
+        for a, b in zip(_load(job, name, f"{side}-resumed"), _load(job, name, side), strict=True):
+            assert torch.equal(a, b), f"{name} {side}: max |diff| {(a - b).abs().max().item()}"
+
+    @pytest.mark.parametrize("name", list(PAIRS))
+    def test_full_optimizer_state_dict_equals_torchs(job, name):
+        """``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``
+        gathers our sharded states into the same consolidated, FQN-keyed dict as torch.optim's: the
+        same parameters, state names and full shapes, the same values (to the pair's tolerance)."""
+        ours = torch.load(job / f"{name}.ours.full-optim.pt", weights_only=True)
+        theirs = torch.load(job / f"{name}.torch.full-optim.pt", weights_only=True)
+        shapes = {n: p.shape for n, p in plain_model().named_parameters()}
+        assert sorted(ours) == sorted(theirs) == sorted(shapes)
+        for fqn, state in ours.items():
+            # our Momentum keeps a step count (ONNX Momentum's T: the first step is not damped); SGD has none
+            assert sorted(state) == sorted({*theirs[fqn], "step"}), fqn
+            for key, value in state.items():
+                if key == "step":
+                    assert float(value) == STEPS and float(theirs[fqn].get(key, STEPS)) == STEPS, fqn
+                    continue
+                assert value.shape == shapes[fqn], (fqn, key)  # gathered, not a shard
+                _same(name, [value], [theirs[fqn][key]], f"{fqn} {key}")
+
+    @pytest.mark.parametrize("name", list(PAIRS))
+    def test_one_flat_buffer_over_each_ranks_local_shards_and_dtensor_states(job, name):
+        for r in range(WORLD):
+            facts = json.loads((job / f"facts.rank{r}.json").read_text())[name]
+            assert facts["params_are_dtensors"]
+            assert facts["flat_numel"] == facts["local_numel"], facts  # the local shards, not the full tensors
+            assert facts["state_types"] == ["DTensor"], facts  # opt.state_dict(): sharded states
+            assert facts["ours_dcp_state_types"] == facts["torch_dcp_state_types"] == ["DTensor"], facts
+
+else:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", nargs=4, metavar=("RANK", "WORLD", "PORT", "OUTDIR"), required=True)
+    rank, world, port, outdir = parser.parse_args().worker
+    _worker(int(rank), int(world), int(port), Path(outdir))

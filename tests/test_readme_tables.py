@@ -1,0 +1,94 @@
+"""The README's audit and benchmark tables are what ``tools/readme_tables.py`` writes from the committed results."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import readme_tables  # noqa: E402
+
+from dml_optim.benchmark.targets import reference, speed_row  # noqa: E402
+
+
+def test_readme_holds_what_the_script_writes():
+    out = io.StringIO()
+    with redirect_stdout(out):
+        status = readme_tables.main(["--check"])
+    assert status == 0, "README.md differs from `python tools/readme_tables.py`:\n" + out.getvalue()[-3000:]
+
+
+def test_every_source_is_committed_and_complete():
+    for key, path in readme_tables.SOURCES.items():
+        doc = json.loads((ROOT / path).read_text())
+        if key == "audit":
+            assert [(r["optimizer"], r["model"]) for r in doc["rows"]] == list(readme_tables.AUDIT_ROWS)
+        else:
+            assert doc["complete"] and not doc["quick"] and doc["device"].startswith(key), path
+            assert doc["errors"] == [] and doc["skipped"] == [], path
+
+
+def test_the_published_runs_hold_the_rows_of_the_issues():
+    """Issue 13 and the frozen-parameter issue: the rows the README shows were all measured, side by side."""
+    cpu, cuda = readme_tables._load("cpu"), readme_tables._load("cuda")
+    for doc in (cpu, cuda):
+        works = {w["name"] for w in doc["workloads"]}
+        assert any(w.startswith("lora-") for w in works) and sum(w.startswith("unfreeze-") for w in works) == 3
+        measured = {(r["optimizer"], r["candidate"]) for r in doc["results"] if r["ms_per_step"] is not None}
+        assert {("adamw", "dml_optim eager"), ("adamw", "torch foreach"), ("adamw", "torch fused")} <= measured
+        assert {m["pack_via"] for m in doc["memory"]} == {"auto", "device", "host"}
+        assert len(doc["instances"]) == 1
+    # the CPU run: host work with both checks modes; the CUDA-only parts listed with the reason
+    assert [h["optimizer"] for h in cpu["host_work"]] == list(readme_tables._OPTIMIZERS)
+    assert all(h["ratio_full"] > 0 and h["ratio_fast"] > 0 for h in cpu["host_work"])
+    left_out = {n["what"]: n["reason"] for n in cpu["not_measured"]}
+    assert {"graph", "kernel time", "copy bandwidth"} <= set(left_out)
+    assert all(left_out[w].startswith("CUDA only: ") for w in ("graph", "kernel time", "copy bandwidth"))
+    # the CUDA run: kernel time and the copy reference beside wall time, many-small replayed in a graph
+    assert all(r["kernel_ms"] is not None for r in cuda["results"] if r["ms_per_step"] is not None)
+    assert {r["reference"] for r in cuda["references"]} == {"copy"}
+    (graph,) = cuda["graphs"]
+    assert graph["workload"] == "many-small" and {(r["candidate"], r["mode"]) for r in graph["rows"] if r["available"]} == {
+        (c, m) for c in ("dml_optim eager", "dml_optim compiled", "torch foreach", "torch fused") for m in ("graph", "steps")}
+
+
+def test_a_changed_number_changes_the_tables():
+    sections = readme_tables.sections()
+    audit = readme_tables._load("audit")
+    changed = copy.deepcopy(audit)
+    changed["rows"][0]["torch"]["total_ops"] += 1
+    assert readme_tables.audit_table(changed, "x.json") != readme_tables.audit_table(audit, "x.json")
+    cpu, cuda = readme_tables._load("cpu"), readme_tables._load("cuda")
+    for doc in (cpu, cuda):  # the step time of what backend="auto" runs, on resnet50, is in the table
+        slower = copy.deepcopy(doc)
+        auto = reference(slower, "adam", "resnet50")["auto_backend"]
+        speed_row(slower, "adam", "resnet50", f"dml_optim {auto}")["ms_per_step"] *= 2
+        changed = readme_tables.bench_section(slower, cuda) if doc is cpu else readme_tables.bench_section(cpu, slower)
+        assert changed != sections["BENCH-TABLE"]
+    slower = copy.deepcopy(cpu)
+    slower["host_work"][0]["ratio_full"] *= 2
+    assert readme_tables.bench_section(slower, cuda) != sections["BENCH-TABLE"]
+
+
+def test_the_audit_document_has_the_audit_commands_fields(capsys):
+    """The recorded rows are `dml-optim audit --json` outputs: the same keys as the command prints today."""
+    from dml_optim.cli import main
+
+    assert main(["audit", "--optimizer", "momentum", "--model", "tiny-mlp", "--json"]) == 0
+    fresh = json.loads(capsys.readouterr().out)
+    (recorded, *_) = readme_tables._load("audit")["rows"]
+    assert set(recorded) == set(fresh) and set(recorded["ours"]) == set(fresh["ours"])
+
+
+def test_render_replaces_only_between_the_markers_and_names_a_missing_one():
+    text = "a\n<!-- X -->\nold\n<!-- /X -->\nb\n"
+    assert readme_tables.render(text, {"X": "new"}) == "a\n<!-- X -->\nnew\n<!-- /X -->\nb\n"
+    with pytest.raises(ValueError, match="<!-- Y -->"):
+        readme_tables.render(text, {"Y": "new"})
