@@ -340,7 +340,7 @@ class KernelRunner:
         args.append(c.tensor)
         if finite is not None:
             args.append(finite)
-        args += self._hyper(flat, names, group, coefficient_dtype(flat.device))
+        args += self._hyper(flat, names, group, coefficient_dtype(flat.device, key[3]))
         fn = kernel(key)
         flushed = _denormals_flushed()
         frames = _frames_compiled()

@@ -38,9 +38,19 @@ import torch
 __all__ = ["step_scalars", "run_rule", "fused_step", "conversion_count", "coefficient_dtype"]
 
 
-def coefficient_dtype(device: torch.device) -> torch.dtype:
-    """The dtype per-step coefficients are computed in on ``device``: float64 where the device has
-    it (the host path computes them in Python floats, i.e. float64, too), else float32."""
+def coefficient_dtype(device: torch.device, compute_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype per-step coefficients are computed in on ``device``.
+
+    Eager steps (``compute_dtype`` None): float64 where the device has it (the
+    host path computes them in Python floats, i.e. float64, too), else
+    float32; each coefficient is a handful of 0-d ops, once per step.  A
+    compiled kernel (``compute_dtype`` given) recomputes its coefficients
+    beside every element, so they follow the arithmetic: float64 for float64
+    parameters, else float32, as torch's fused kernels compute theirs (float64
+    powers and logarithms per element would make a GPU kernel compute-bound).
+    """
+    if compute_dtype is not None:
+        return torch.float64 if compute_dtype == torch.float64 else torch.float32
     return torch.float64 if device.type in ("cpu", "cuda", "meta") else torch.float32
 
 
@@ -155,12 +165,7 @@ def fused_step(cls, structure: tuple, names: Sequence[str], compute_dtype: torch
     finite = next(it) if gated else None
     hyper = dict(zip(names, it))
     hyper.update(structure)
-    scalars = step_scalars(cls, hyper, T, finite, coefficient_dtype(x.device))
-    # computed in float64, used in the arithmetic's dtype (as eager's scalar operands and torch's
-    # kernels do): a float64 0-d operand would make inductor run the elementwise math in float64,
-    # whose division and square root are several times slower on GPUs
-    scalars = {k: v.to(compute_dtype) if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v
-               for k, v in scalars.items()}
+    scalars = step_scalars(cls, hyper, T, finite, coefficient_dtype(x.device, compute_dtype))
     run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite, params_out=params_out,
              comp=comp, fused=True, scratch=(None,) * cls.scratch_slots)
     T.add_(finite.to(T.dtype) if finite is not None else 1)
