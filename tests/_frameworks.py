@@ -98,3 +98,18 @@ def amp_future_warnings(caught) -> list[str]:
             if issubclass(w.category, FutureWarning)
             and ("scaler" in str(w.message).lower() or "dml_optim" in w.filename
                  or "amp" in w.filename.replace("\\", "/").split("/"))]
+
+
+def torch_add_param_group(topt: torch.optim.Optimizer, group: dict) -> None:
+    """``topt.add_param_group(group)``, with torch <= 2.4's Adagrad gap filled: it initialises its state
+    only in ``__init__``, so its own ``step()`` raises ``KeyError('sum')`` for a parameter added later;
+    the state is made as ``__init__`` (and torch >= 2.5's ``add_param_group``) makes it."""
+    topt.add_param_group(group)
+    if isinstance(topt, torch.optim.Adagrad):
+        added = topt.param_groups[-1]
+        for q in added["params"]:
+            if q not in topt.state:
+                topt.state[q] = {
+                    "step": torch.tensor(0.0),
+                    "sum": torch.full_like(q, added["initial_accumulator_value"], memory_format=torch.preserve_format),
+                }

@@ -29,6 +29,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from _frameworks import torch_add_param_group
 from torch.optim.lr_scheduler import StepLR
 
 from dml_optim import Adagrad, Adam, DmlAdam, Momentum
@@ -122,15 +123,7 @@ class OptimizerAPI(RuleBasedStateMachine):
         p, q = torch.nn.Parameter(v.clone()), torch.nn.Parameter(v.clone())
         extra = {} if lr is None else {"lr": lr}
         self.opt.add_param_group({"params": [p], **extra})
-        self.topt.add_param_group({"params": [q], **extra})
-        if isinstance(self.topt, torch.optim.Adagrad) and q not in self.topt.state:
-            # torch <= 2.4 initialises Adagrad's state only in __init__, so its own step()
-            # raises KeyError('sum') for a param added later; initialise it as __init__ does
-            group = self.topt.param_groups[-1]
-            self.topt.state[q] = {
-                "step": torch.tensor(0.0),
-                "sum": torch.full_like(q, group["initial_accumulator_value"], memory_format=torch.preserve_format),
-            }
+        torch_add_param_group(self.topt, {"params": [q], **extra})
         if self.sched is not None:  # schedulers remember initial_lr per group
             self.opt.param_groups[-1].setdefault("initial_lr", self.opt.param_groups[-1]["lr"])
             self.topt.param_groups[-1].setdefault("initial_lr", self.topt.param_groups[-1]["lr"])

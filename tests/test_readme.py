@@ -148,6 +148,8 @@ def test_quick_start_states_the_torch_choice_before_the_first_command():
 
 _FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.M | re.S)
 _NOT_RUN = re.compile(r"<!--\s*not-run:\s*(\S.*?)\s*-->\s*$")
+#: ``<!-- needs torch>=2.6: why -->``: the block runs where torch is that new, and is skipped with ``why`` elsewhere.
+_NEEDS_TORCH = re.compile(r"<!--\s*needs torch>=(\d+)\.(\d+):\s*(\S.*?)\s*-->\s*$")
 #: Deliberately partial blocks are the exception: keep them few.
 MAX_NOT_RUN = 2
 
@@ -159,8 +161,18 @@ def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
         line = text.count("\n", 0, match.start()) + 1
         before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         reason = _NOT_RUN.search(before)
-        blocks.append((line, match.group(1), reason.group(1) if reason else None))
+        needs = _NEEDS_TORCH.search(before)
+        if needs and _torch_version() < (int(needs.group(1)), int(needs.group(2))):
+            reason = needs.expand(rf"needs torch>=\1.\2 ({needs.group(3)}); this is torch {torch.__version__}")
+        else:
+            reason = reason.group(1) if reason else None
+        blocks.append((line, match.group(1), reason))
     return blocks
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def expected_output(code: str) -> list[str]:
@@ -172,6 +184,9 @@ def test_block_parser_on_a_sample():
     sample = ("text\n```python\nprint(1)  # -> 1\n```\n<!-- not-run: needs a GPU -->\n```python\nx\n```\n"
               "```bash\nls\n```\n")
     assert python_blocks(sample) == [(2, "print(1)  # -> 1\n", None), (6, "x\n", "needs a GPU")]
+    gated = "<!-- needs torch>=99.0: a future API -->\n```python\ny\n```\n<!-- needs torch>=1.0: any -->\n```python\nz\n```\n"
+    (_, _, far), (_, _, met) = python_blocks(gated)
+    assert far.startswith("needs torch>=99.0 (a future API); this is torch ") and met is None
     assert expected_output("print(1)  # -> 1\nprint(2)\n") == ["1"]
 
 
@@ -180,7 +195,7 @@ _BLOCKS = python_blocks(README.read_text())
 
 def test_the_readme_has_python_blocks_and_few_partial_ones():
     assert len(_BLOCKS) >= 3
-    assert sum(reason is not None for *_, reason in _BLOCKS) <= MAX_NOT_RUN
+    assert sum(reason is not None and not reason.startswith("needs torch>=") for *_, reason in _BLOCKS) <= MAX_NOT_RUN
 
 
 @pytest.mark.parametrize("line,code,reason", _BLOCKS, ids=[f"README.md:{line}" for line, *_ in _BLOCKS])

@@ -24,6 +24,7 @@ from typing import Callable
 import pytest
 import torch
 from tolerances import TORCH_ADAM_FLOAT32, assert_close
+from _frameworks import torch_add_param_group
 from torch import nn
 from torch.optim.lr_scheduler import CyclicLR, OneCycleLR, ReduceLROnPlateau
 
@@ -339,7 +340,7 @@ def test_add_param_group_with_torch_names_only(name, extra):
     ps, ts = _clone(base), _clone(base)
     opt, topt = twin.ours(ps[:1]), twin.theirs(ts[:1])
     opt.add_param_group({"params": ps[1:], "lr": 2e-2, **extra})
-    topt.add_param_group({"params": ts[1:], "lr": 2e-2, **extra})
+    torch_add_param_group(topt, {"params": ts[1:], "lr": 2e-2, **extra})
     g = opt.param_groups[1]
     for key, value in extra.items():
         assert g[key] == value

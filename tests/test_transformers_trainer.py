@@ -32,8 +32,11 @@ from _frameworks import BY_ID, Pair, moved, need, params_of, reset_accelerate
 import dml_optim
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model comes from a config
-need("transformers")
+transformers = need("transformers")
 need("accelerate")
+if not transformers.utils.is_torch_available():  # transformers 5 disables its torch support below torch 2.6
+    pytest.skip(f"transformers {transformers.__version__} does not support torch {torch.__version__} "
+                "(it disables its PyTorch support); transformers 4.x runs these tests there", allow_module_level=True)
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
 
 pytestmark = pytest.mark.slow  # about 1 s per Trainer run on 2 cores
@@ -154,6 +157,9 @@ def test_trainer_fp16_on_cuda_equals_torch(name, tmp_path):
     pair.assert_same(ours, theirs)
 
 
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6),
+                    reason="transformers >= 4.50 refuses torch.load below torch 2.6 (CVE-2025-32434): "
+                           "resume_from_checkpoint cannot load optimizer.pt there, for torch.optim as for us")
 @pytest.mark.parametrize("name,scheduler", [("momentum", None), ("adamw", None), ("adam", "onecycle")],
                          ids=["momentum", "adamw", "adam-onecycle"])
 def test_resume_from_checkpoint_equals_an_uninterrupted_run(name, scheduler, uninterrupted, tmp_path):
