@@ -66,3 +66,16 @@ def test_a_failure_part_way_gives_every_parameter_its_values_back(via_host):
     assert len(storages) == len(params)  # each in a storage of its own, none a view of the failed flat tensor
     for p, b, shape in zip(params, before, SHAPES):
         assert p.shape == shape and p.device.type == "cpu" and torch.equal(p.detach(), b)
+
+
+def test_constructing_over_a_sparse_grad_names_the_parameter_and_changes_nothing():
+    """The constructor refuses an existing sparse ``.grad`` as clearly as ``step()`` does (not reshape's error)."""
+    import dml_optim
+
+    dense = torch.nn.Parameter(torch.ones(3))
+    p = torch.nn.Parameter(torch.arange(4.0))
+    p.grad = torch.ones(4).to_sparse()
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[1\] has a sparse \.grad.*dense gradients"):
+        dml_optim.Adam([dense, p])
+    assert torch.equal(p.detach(), torch.arange(4.0)) and p.grad.is_sparse
+    assert torch.equal(dense.detach(), torch.ones(3))
