@@ -116,6 +116,7 @@ class StepCounter:
         if active is None:
             for c in self.classes:
                 c.active = True
+            self.merge()  # runs that stepped apart and are equal again are one class
             return
         out: list[StepClass] = []
         for c in self.classes:
@@ -129,6 +130,7 @@ class StepCounter:
                     out.append(StepClass(start, i, c.count, c.key, clones[flag], flag))
                     start = i
         self.classes = out
+        self.merge()
 
     def order(self) -> list[int] | None:
         """A parameter order that makes each (active, key) one contiguous class, or None if it already is."""

@@ -14,6 +14,10 @@ Two kinds of failure inside ``step()``:
   exception gets a note saying so); with ``atomic=True`` parameters, states,
   gradients and step counters (host and device) are restored bit-exactly and
   the next step matches a run that never failed.
+
+Every optimizer of the test matrix (``tests/matrix.py``, one case per
+optimizer and device) runs every world; the worlds fix their own dtypes
+(float32, or float16 for the chunked and master-weight modes).
 """
 
 from __future__ import annotations
@@ -25,11 +29,11 @@ import torch
 
 import dml_optim.functional
 import dml_optim.optimizers.engine as engine
-from dml_optim import Adagrad, Adam, DmlAdam, Momentum
-from test_bad_inputs import assert_same, make_params, new_grads, snapshot
 from introspect import buffers, runs_in_chunks
+from matrix import Case, case_of, classes
+from test_bad_inputs import assert_same, make_params, new_grads, snapshot
 
-ALL = (Adam, Adagrad, Momentum, DmlAdam)
+ADAM = case_of("adam")
 
 
 class Injected(RuntimeError):
@@ -75,51 +79,52 @@ def stop_failing(cls) -> None:
 # -- worlds with several writes per step ----------------------------------------
 
 
-def buffers_world(cls, **kw):
+def buffers_world(case: Case, **kw):
     """Three param groups = three flat buffers, one completed step."""
-    ps = make_params(shapes=((2, 3), (4,), (5,)))
-    opt = cls([{"params": [p]} for p in ps], lr=0.1, **kw)
+    ps = make_params(shapes=((2, 3), (4,), (5,)), device=case.device)
+    opt = case.cls([{"params": [p]} for p in ps], lr=0.1, **kw)
     opt.step()
     new_grads(ps)
     return ps, opt
 
 
-def runs_world(cls, **kw):
+def runs_world(case: Case, **kw):
     """One buffer whose params have different step counts: three runs per step."""
-    ps = make_params(shapes=((3,), (4,), (2,), (5,)))
-    opt = cls(ps, lr=0.1, **kw)
+    ps = make_params(shapes=((3,), (4,), (2,), (5,)), device=case.device)
+    opt = case.cls(ps, lr=0.1, **kw)
     ps[1].grad = None
     opt.step()  # p1 stays at step 0: runs [p0], [p1], [p2, p3]
     new_grads(ps)
     return ps, opt
 
 
-def chunked_world(cls, monkeypatch, **kw):
+def chunked_world(case: Case, monkeypatch, **kw):
     """float16 parameters, float32 compute: the rule runs over 8-element chunks."""
     monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 8)
-    ps = make_params(shapes=((5, 6), (7,)), dtype=torch.float16)
-    opt = cls(ps, lr=0.01, compute_dtype=torch.float32, state_dtype=torch.float32, **kw)
+    ps = make_params(shapes=((5, 6), (7,)), dtype=torch.float16, device=case.device)
+    opt = case.cls(ps, lr=0.01, compute_dtype=torch.float32, state_dtype=torch.float32, **kw)
     opt.step()
     new_grads(ps)
     assert runs_in_chunks(opt)
     return ps, opt
 
 
-def master_world(cls, **kw):
-    ps = make_params(shapes=((3, 3),), dtype=torch.float16) + make_params(shapes=((4,),), dtype=torch.float16)
-    opt = cls([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=0.01, master_weights=True, **kw)
+def master_world(case: Case, **kw):
+    ps = (make_params(shapes=((3, 3),), dtype=torch.float16, device=case.device)
+          + make_params(shapes=((4,),), dtype=torch.float16, device=case.device))
+    opt = case.cls([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=0.01, master_weights=True, **kw)
     opt.step()
     new_grads(ps)
     return ps, opt
 
 
 WORLDS = {
-    "buffers": lambda cls, mp, **kw: buffers_world(cls, **kw),
-    "runs": lambda cls, mp, **kw: runs_world(cls, **kw),
-    "chunks": lambda cls, mp, **kw: chunked_world(cls, mp, **kw),
-    "master": lambda cls, mp, **kw: master_world(cls, **kw),
-    "buffers-skip": lambda cls, mp, **kw: buffers_world(cls, nonfinite="skip", **kw),
-    "runs-skip": lambda cls, mp, **kw: runs_world(cls, nonfinite="skip", **kw),
+    "buffers": lambda case, mp, **kw: buffers_world(case, **kw),
+    "runs": lambda case, mp, **kw: runs_world(case, **kw),
+    "chunks": lambda case, mp, **kw: chunked_world(case, mp, **kw),
+    "master": lambda case, mp, **kw: master_world(case, **kw),
+    "buffers-skip": lambda case, mp, **kw: buffers_world(case, nonfinite="skip", **kw),
+    "runs-skip": lambda case, mp, **kw: runs_world(case, nonfinite="skip", **kw),
 }
 
 
@@ -128,10 +133,10 @@ def _note(exc_info) -> str:
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS))
-@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
-def test_injected_failure_is_rolled_back_with_atomic(cls, world, monkeypatch):
-    ps, opt = WORLDS[world](cls, monkeypatch, atomic=True)
-    twin_ps, twin = WORLDS[world](cls, monkeypatch, atomic=True)
+@pytest.mark.parametrize("case", classes())
+def test_injected_failure_is_rolled_back_with_atomic(case, world, monkeypatch):
+    ps, opt = WORLDS[world](case, monkeypatch, atomic=True)
+    twin_ps, twin = WORLDS[world](case, monkeypatch, atomic=True)
     before = snapshot(ps, opt)
     calls = fail_after(opt, 2)
     with pytest.raises(Injected):
@@ -150,7 +155,7 @@ def test_injected_failure_is_rolled_back_with_atomic(cls, world, monkeypatch):
 @pytest.mark.parametrize("world", sorted(WORLDS))
 def test_injected_failure_without_atomic_is_partial_and_says_so(world, monkeypatch):
     """The default (atomic=False) does not roll back: the measured evidence for the option."""
-    ps, opt = WORLDS[world](Adam, monkeypatch)
+    ps, opt = WORLDS[world](ADAM, monkeypatch)
     before = snapshot(ps, opt)
     fail_after(opt, 2)
     with pytest.raises(Injected) as info:
@@ -165,7 +170,7 @@ def test_injected_failure_without_atomic_is_partial_and_says_so(world, monkeypat
 
 def test_failure_inside_functional_adam_is_rolled_back(monkeypatch):
     """Patch the math itself (``dml_optim.functional.adam_``), not the optimizer's hook."""
-    ps, opt = buffers_world(Adam, atomic=True)
+    ps, opt = buffers_world(ADAM, atomic=True)
     real = dml_optim.functional.adam_
     calls = []
 
@@ -184,7 +189,7 @@ def test_failure_inside_functional_adam_is_rolled_back(monkeypatch):
 
 
 def test_keyboard_interrupt_mid_update_is_rolled_back(monkeypatch):
-    ps, opt = chunked_world(Adam, monkeypatch, atomic=True)
+    ps, opt = chunked_world(ADAM, monkeypatch, atomic=True)
     before = snapshot(ps, opt)
     fail_after(opt, 3, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
@@ -194,7 +199,7 @@ def test_keyboard_interrupt_mid_update_is_rolled_back(monkeypatch):
 
 def test_failure_after_a_skipped_overflow_step_is_rolled_back(monkeypatch):
     """Gated path with a non-finite gradient: device counters and zeroed grads come back too."""
-    ps, opt = buffers_world(Adam, nonfinite="skip", atomic=True)
+    ps, opt = buffers_world(ADAM, nonfinite="skip", atomic=True)
     ps[2].grad[0] = float("inf")
     before = snapshot(ps, opt)
     fail_after(opt, 3)
@@ -206,11 +211,13 @@ def test_failure_after_a_skipped_overflow_step_is_rolled_back(monkeypatch):
 # -- validation-class errors: raised before any write ----------------------------
 
 
-def multi_world(cls, **kw):
+def multi_world(case: Case, **kw):
     """Two groups; group 0 holds two dtypes (two flat buffers), group 1 one; one step done."""
-    dt2 = torch.float16 if cls is DmlAdam else torch.float64
-    ps = make_params(shapes=((2, 3), (4,))) + make_params(shapes=((3,),), dtype=dt2) + make_params(shapes=((5,), (6,)))
-    opt = cls([{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05}], lr=0.01, **kw)
+    dt2 = next(d for d in case.entry.dtypes if d != torch.float32)  # float64, or float16 for DmlAdam
+    dev = case.device
+    ps = (make_params(shapes=((2, 3), (4,)), device=dev) + make_params(shapes=((3,),), dtype=dt2, device=dev)
+          + make_params(shapes=((5,), (6,)), device=dev))
+    opt = case.cls([{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05}], lr=0.01, **kw)
     assert len(buffers(opt, 0)) == 2
     opt.step()
     new_grads(ps)
@@ -223,13 +230,13 @@ def _spoil_hyperparameter(ps, opt):
 
 def _spoil_last_grad(ps, opt):
     saved = ps[-1].data
-    ps[-1].data = torch.empty(7)
-    ps[-1].grad = torch.ones(7)
+    ps[-1].data = torch.empty(7, device=saved.device)
+    ps[-1].grad = torch.ones(7, device=saved.device)
     ps[-1].data = saved
 
 
 def _spoil_last_grad_sparse(ps, opt):
-    ps[-1].grad = torch.ones(6).to_sparse()
+    ps[-1].grad = torch.ones(6, device=ps[-1].device).to_sparse()
 
 
 def _nonfinite_raise_in_last_group(ps, opt):
@@ -248,9 +255,9 @@ SPOILERS = {
 
 @pytest.mark.parametrize("spoiler", sorted(SPOILERS))
 @pytest.mark.parametrize("nonfinite", ["propagate", "skip"])
-@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
-def test_validation_errors_raise_before_any_write(cls, nonfinite, spoiler):
-    ps, opt = multi_world(cls, nonfinite=nonfinite)  # atomic=False: nothing to roll back is needed
+@pytest.mark.parametrize("case", classes())
+def test_validation_errors_raise_before_any_write(case, nonfinite, spoiler):
+    ps, opt = multi_world(case, nonfinite=nonfinite)  # atomic=False: nothing to roll back is needed
     spoil, exc, match = SPOILERS[spoiler]
     spoil(ps, opt)
     calls = fail_after(opt, 10**9)  # counts rule calls
@@ -263,7 +270,7 @@ def test_validation_errors_raise_before_any_write(cls, nonfinite, spoiler):
 
 def test_step_scaled_validates_before_unscaling():
     """step_scaled multiplies gradients by inv_scale: a bad group must stop it before that."""
-    ps, opt = multi_world(Adam)
+    ps, opt = multi_world(ADAM)
     _spoil_hyperparameter(ps, opt)
     before = snapshot(ps, opt)
     with pytest.raises(ValueError, match="lr"):

@@ -26,6 +26,7 @@ from dml_optim.audit import (
 from dml_optim.cli import main
 from dml_optim.inventory import models_dir, resolve_model
 from dml_optim.optimizers.registry import build, torch_equivalent
+from matrix import cases, classes
 
 OPS_PER_FLAT_BUFFER = 12
 
@@ -45,19 +46,16 @@ def _params(shapes, seed=0):
     return params
 
 
-# (id, optimizer name, hyperparameters)
-BUDGET_CASES = [
-    ("adam", "adam", {}),
-    ("adam-norm-coefficients", "adam", dict(norm_coefficient=0.01, norm_coefficient_post=0.001)),
-    ("dml-adam", "dml-adam", {}),
-    ("adagrad", "adagrad", dict(decay_factor=0.01)),
-    ("adagrad-norm-coefficient", "adagrad", dict(norm_coefficient=0.01)),
-    ("momentum-standard", "momentum", dict(beta=0.9)),
-    ("momentum-nesterov-norm-coefficient", "momentum", dict(mode="nesterov", norm_coefficient=0.01)),
-]
-
 def _budget_params():
-    return [pytest.param(name, hyper, id=case_id) for case_id, name, hyper in BUDGET_CASES]
+    """Every variant of the test matrix (tests/matrix.py), with each of its two hyperparameter sets
+    (the second has the norm coefficients / weight decay), in float32 on the CPU: the audit
+    resolves the recorded aten ops against the DirectML dispatch table, whatever the device."""
+    out = []
+    for param in cases(variants="all", dtypes=(torch.float32,), devices=("cpu",)):
+        c = param.values[0]
+        out += [pytest.param(c.name, c.hyper, id=f"{c.variant.id}-first-set"),
+                pytest.param(c.name, {**c.hyper, **c.second}, id=f"{c.variant.id}-second-set")]
+    return out
 
 
 def _assert_budget(report: AuditReport) -> None:
@@ -77,6 +75,24 @@ def test_our_step_is_within_the_budget(name, hyper):
     report = audit_step(opt)
     assert report.flat_buffers == 1 and report.num_tensors == len(shapes)
     _assert_budget(report)
+
+
+@pytest.mark.parametrize("mode", [dict(compute_dtype=torch.float32), dict(compute_dtype=torch.float32,
+                                  state_dtype=torch.float32), dict(master_weights=True),
+                                  dict(kahan=True, state_dtype=torch.float32)],
+                         ids=["fp16-fp32-compute", "fp16-fp32-states", "master-weights", "kahan"])
+@pytest.mark.parametrize("case", classes(devices=("cpu",)))
+def test_a_chunked_precision_step_allocates_nothing(case, mode):
+    """float16 parameters with float32 arithmetic run the rule over bounded chunks through a fixed
+    scratch: after the first step, a step allocates nothing and stays native."""
+    params = [torch.nn.Parameter(p.detach().half()) for p in _params([(3, 4, 2), (17,), (5, 5)])]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(3)).half()
+    opt = case.build(params, backend="eager", **case.epsilon_kwargs(1e-4), **mode)
+    opt.step()
+    report = audit_step(opt)
+    assert report.allocations == 0, report.format()
+    assert report.all_native and report.host_syncs == 0 and report.fallbacks == []
 
 
 def test_budget_scales_with_flat_buffers_not_tensors():

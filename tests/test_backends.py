@@ -1,14 +1,15 @@
 """The eager and compiled backends (dml_optim/backends.py, dml_optim/compiled.py).
 
-Oracle: the out-of-place ONNX-convention functions of ``dml_optim.functional``
-(``adam``, ``adagrad``, ``momentum``, ``dml_adam``), applied step by step.
-Both backends must follow it within the float32 tolerance of
-``tests/tolerances.py`` over 25 steps with a learning rate that changes every
-step.  Compilation is real (inductor on this machine's C++ compiler); the
-first compile on a fresh machine costs 10-40 s once (inductor's ISA probe), then
-a few seconds per kernel.  One float64 case checks that the compiled kernel
-computes its coefficients in float64 (the eager tests cover the rest of
-float64).
+Every optimizer's agreement with the float64 reference, eager and compiled,
+with a learning rate that changes every step, is the test matrix's
+(``tests/test_optimizers.py``); the cases here come from the matrix too
+(``tests/matrix.py``).  This file holds what is particular to a backend:
+fallbacks and their warnings, ``auto``, graph reuse (no recompilation for a
+scheduler, instances, epsilons or lengths), dispatch modes, the caller's
+denormal mode, ``capturable``, and the compiled kernel's float64 coefficients.
+Compilation is real (inductor on this machine's C++ compiler); the first
+compile on a fresh machine costs 10-40 s once (inductor's ISA probe), then a
+few seconds per kernel.
 """
 
 from __future__ import annotations
@@ -21,92 +22,25 @@ from torch._dynamo.utils import counters
 
 import dml_optim
 from dml_optim import backends, compiled
-from dml_optim import functional as F
 from dml_optim.compiled import CompileFallbackWarning
-from tolerances import assert_close
+from introspect import buffers
+from matrix import case_of, classes
+from tolerances import TOL, assert_close
 
 COMPILE_OK, COMPILE_WHY = compiled.compile_available("cpu")
 needs_compiler = pytest.mark.skipif(not COMPILE_OK, reason=f"torch.compile unavailable on this CPU: {COMPILE_WHY}")
 
 SHAPES = [(17, 5), (33,), (4, 3, 2)]
-STEPS = 25
 
-
-def _lr(step: int, base: float) -> float:
-    """A schedule that changes the learning rate every step."""
-    return base * (0.5 + 0.5 * (0.93**step))
-
-
-# Each case: optimizer class, hyperparameters, and one oracle step
-# ``oracle(hp, lr, completed_steps, X, G, states) -> (X_new, states_new)``.
-
-def _adam_oracle(hp, lr, k, X, G, S):
-    n = len(X)
-    out = F.adam(lr, k + 1, *X, *G, *S[0], *S[1], alpha=hp["alpha"], beta=hp["beta"], epsilon=hp["epsilon"],
-                 norm_coefficient=hp["norm_coefficient"], norm_coefficient_post=hp["norm_coefficient_post"])
-    return list(out[:n]), [list(out[n : 2 * n]), list(out[2 * n :])]
-
-
-def _dml_adam_oracle(hp, lr, k, X, G, S):
-    res = [F.dml_adam(x, m, v, g, k + 1, learning_rate=lr, beta1=hp["beta1"], beta2=hp["beta2"], epsilon=hp["epsilon"])
-           for x, m, v, g in zip(X, S[0], S[1], G)]
-    return [r[0] for r in res], [[r[1] for r in res], [r[2] for r in res]]
-
-
-def _adagrad_oracle(hp, lr, k, X, G, S):
-    n = len(X)
-    out = F.adagrad(lr, k, *X, *G, *S[0], decay_factor=hp["decay_factor"], epsilon=hp["epsilon"],
-                    norm_coefficient=hp["norm_coefficient"])
-    return list(out[:n]), [list(out[n:])]
-
-
-def _momentum_oracle(hp, lr, k, X, G, S):
-    n = len(X)
-    out = F.momentum(lr, k, *X, *G, *S[0], alpha=hp["alpha"], beta=hp["beta"], mode=hp["mode"],
-                     norm_coefficient=hp["norm_coefficient"])
-    return list(out[:n]), [list(out[n:])]
-
-
-CASES = {
-    "adam-norm": (dml_optim.Adam, dict(lr=1e-2, alpha=0.9, beta=0.99, epsilon=1e-6, norm_coefficient=0.01,
-                                       norm_coefficient_post=1e-3), _adam_oracle),
-    "dml-adam": (dml_optim.DmlAdam, dict(lr=1e-2, beta1=0.8, beta2=0.995, epsilon=1e-7), _dml_adam_oracle),
-    "adagrad-decay": (dml_optim.Adagrad, dict(lr=5e-2, decay_factor=0.05, epsilon=1e-10, norm_coefficient=0.02),
-                      _adagrad_oracle),
-    "momentum-standard": (dml_optim.Momentum, dict(lr=1e-2, alpha=0.9, beta=0.8, mode="standard", norm_coefficient=0.01),
-                          _momentum_oracle),
-    "momentum-nesterov": (dml_optim.Momentum, dict(lr=1e-2, alpha=0.9, beta=1.0, mode="nesterov", norm_coefficient=0.0),
-                          _momentum_oracle),
-}
+#: the matrix's default Adam and Momentum in float32: the compiled graph of their first group is the one
+#: the matrix's compiled cases build (one compile serves both files)
+ADAM = case_of("adam", dtype=torch.float32)
+MOMENTUM = case_of("momentum", dtype=torch.float32)
 
 
 def _params(seed: int = 1) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-
-
-def _run_against_oracle(name: str, backend: str) -> dml_optim.FlatOptimizer:
-    cls, hp, oracle = CASES[name]
-    params = _params()
-    opt = cls(params, **hp, backend=backend)
-    X = [p.detach().clone() for p in params]
-    S = [[torch.zeros_like(x) for x in X] for _ in cls.state_names]
-    gen = torch.Generator().manual_seed(2)
-    for k in range(STEPS):
-        lr = _lr(k, hp["lr"])
-        opt.param_groups[0]["lr"] = lr
-        G = [torch.randn(s, generator=gen) for s in SHAPES]
-        for p, g in zip(params, G):
-            p.grad = g.clone()
-        opt.step()
-        X, S = oracle(hp, lr, k, X, G, S)
-        for i, (p, x) in enumerate(zip(params, X)):
-            assert_close(p.detach(), x)
-        saved = opt.state_dict()["state"]
-        for name_, states in zip(cls.state_names, S):
-            for i, s in enumerate(states):
-                assert_close(saved[i][name_], s)
-    return opt
 
 
 @pytest.fixture
@@ -116,29 +50,12 @@ def no_fallback_warnings():
         yield
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_eager_matches_functional(name):
-    opt = _run_against_oracle(name, "eager")
-    assert backends.resolved_backends(opt) == [["eager"]]
-
-
-@pytest.mark.slow
-@needs_compiler
-@pytest.mark.parametrize("name", list(CASES))
-def test_compiled_matches_functional(name, no_fallback_warnings):
-    opt = _run_against_oracle(name, "compiled")
-    assert backends.resolved_backends(opt) == [["compiled"]]
-    assert compiled.fell_back(opt) is None
-
-
 @pytest.mark.slow
 @needs_compiler
 def test_no_recompilation_with_a_scheduler(no_fallback_warnings):
-    hp = CASES["adam-norm"][1]  # same constants as the agreement test: its graph is reused
-    params = _params()
-    opt = dml_optim.Adam(params, **hp, backend="compiled")
-    ref_params = _params()
-    ref = dml_optim.Adam(ref_params, **hp, backend="eager")
+    params, ref_params = _params(), _params()
+    opt = ADAM.build(params, backend="compiled")  # the matrix's hyperparameters: its graph is reused
+    ref = ADAM.build(ref_params, backend="eager")
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.97**s) for o in (opt, ref)]
     gen = torch.Generator().manual_seed(3)
 
@@ -205,6 +122,54 @@ def _steps(opt, params, n, seed=5):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
+
+
+@pytest.fixture
+def kernels_run_eagerly(monkeypatch, isolated_cache):
+    """torch.compile replaced by the identity: the compiled backend runs its kernels' Python code
+    (``update.fused_step``) eagerly, in seconds and without a compiler."""
+    monkeypatch.setattr(compiled, "_torch_compile", lambda fn, **kwargs: fn)
+    monkeypatch.setattr(compiled, "compile_available", lambda device_type: (True, ""))
+
+
+#: the kernel's variants: (parameter dtype, options, a step with an inf gradient)
+KERNEL_MODES = {
+    "plain": (torch.float32, {}, None),
+    "gated-skip": (torch.float32, dict(nonfinite="skip"), 2),
+    "capturable": (torch.float32, dict(capturable=True), None),
+    "fp16-fp32-compute": (torch.float16, dict(compute_dtype=torch.float32), None),
+    "master-weights": (torch.float16, dict(master_weights=True), None),
+    "kahan-gated": (torch.bfloat16, dict(kahan=True, nonfinite="skip"), 1),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(KERNEL_MODES))
+@pytest.mark.parametrize("case", [p.values[0] for p in classes(devices=("cpu",))], ids=lambda c: c.name)
+def test_the_kernels_python_code_run_eagerly_matches_the_eager_backend(case, mode, kernels_run_eagerly):
+    """What torch.compile traces (the kernel's inputs, the gating, the conversions, the master and Kahan
+    outputs, the step counter advanced inside the kernel) equals the eager backend, step by step."""
+    dtype, options, bad_step = KERNEL_MODES[mode]
+    if dtype not in case.cls.dtypes and not options.get("master_weights"):
+        pytest.skip(f"{case.cls.__name__} has no {dtype} parameters")
+    runs = {}
+    for backend in ("compiled", "eager"):
+        gen = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+        opt = case.build(params, backend=backend, **case.epsilon_kwargs(1e-3), **options)
+        for k in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            if k == bad_step:
+                params[1].grad[3] = float("inf")
+            opt.step()
+        runs[backend] = (params, opt)
+    (ours, opt), (ref, ref_opt) = runs["compiled"], runs["eager"]
+    assert backends.resolved_backends(opt) == [["compiled"]] and compiled.fell_back(opt) is None
+    for p, q in zip(ours, ref):
+        assert_close(p.detach(), q.detach())
+        for name, value in ref_opt.state[q].items():
+            assert_close(torch.as_tensor(opt.state[p][name]).double(), torch.as_tensor(value).double(),
+                         **TOL[torch.float32 if dtype == torch.float32 else torch.float16])
 
 
 def test_compile_failure_falls_back_with_one_warning(monkeypatch, isolated_cache):
@@ -297,9 +262,8 @@ def test_a_dispatch_mode_sees_eager_ops_and_leaves_the_compiled_kernel_intact(no
     the fused kernel runs again (dynamo would otherwise skip the frame for good)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    hp = CASES["adam-norm"][1]
     params = _params()
-    opt = dml_optim.Adam(params, **hp, backend="compiled")
+    opt = ADAM.build(params, backend="compiled")
     _steps(opt, params, 2)
     assert _aten_compute_events(opt.step) == []  # the compiled kernel: no aten compute ops
 
@@ -314,6 +278,29 @@ def test_a_dispatch_mode_sees_eager_ops_and_leaves_the_compiled_kernel_intact(no
         opt.step()
     assert "aten.sqrt" in seen and "aten.addcmul_" in seen
     assert _aten_compute_events(opt.step) == []  # still compiled after the mode
+
+
+def test_compiled_buffer_stepped_under_a_dispatch_mode_does_not_resize_its_scratch():
+    """Under a TorchDispatchMode the compiled runner uses the eager rule; the compact
+    scratch of a compiled buffer must not be resized (warning + allocation each step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    p = torch.nn.Parameter(torch.randn(2**20 + 5))
+    p.grad = torch.randn_like(p)
+    opt = dml_optim.Adam([p], lr=0.01, backend="compiled")
+    reference = dml_optim.Adam([torch.nn.Parameter(p.detach().clone())], lr=0.01, backend="eager")
+    reference.param_groups[0]["params"][0].grad = p.grad.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with Passthrough():
+            opt.step()
+    reference.step()
+    assert all(s.numel() <= 2**20 for s in buffers(opt)[0].scratch)
+    torch.testing.assert_close(p.detach(), reference.param_groups[0]["params"][0].detach())
 
 
 @pytest.mark.slow
@@ -362,21 +349,23 @@ def test_instances_epsilons_and_lengths_reuse_one_graph(no_fallback_warnings):
 @pytest.mark.slow
 @needs_compiler
 def test_compiled_float64_computes_its_coefficients_in_float64(no_fallback_warnings):
-    """float64 agreement to float64 tolerance: coefficients computed in float32 would be off by ~1e-8."""
+    """Each compiled float64 update equals the float64 reference's to float64 tolerance (rtol 1e-10):
+    coefficients computed in float32 (``1 - beta**T`` cancels) are off by ~1e-8."""
+    case = case_of("adam", dtype=torch.float64, backend="compiled")
+    hyper = dict(lr=1e-2, alpha=0.9, beta=0.999, epsilon=1e-8, norm_coefficient=0.0, norm_coefficient_post=0.0)
     gen = torch.Generator().manual_seed(7)
-    X = [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
-    params = [torch.nn.Parameter(x.clone()) for x in X]
-    opt = dml_optim.Adam(params, lr=1e-2, beta=0.999, epsilon=1e-8, backend="compiled")
-    S = [[torch.zeros_like(x) for x in X] for _ in range(2)]
-    hp = dict(alpha=0.9, beta=0.999, epsilon=1e-8, norm_coefficient=0.0, norm_coefficient_post=0.0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES]
+    opt = case.build(params, **hyper)
     for k in range(8):
         G = [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+        before = [p.detach().clone() for p in params]
+        states = [[torch.zeros_like(p) if k == 0 else opt.state[p][n].clone() for n in case.states] for p in params]
         for p, g in zip(params, G):
             p.grad = g.clone()
         opt.step()
-        X, S = _adam_oracle(hp, 1e-2, k, X, G, S)
-        for p, x in zip(params, X):
-            assert_close(p.detach(), x)  # float64: rtol 1e-10
+        for p, b, g, s in zip(params, before, G, states):
+            x, _ = case.reference_step(hyper, k, b, g, s)
+            assert_close(p.detach() - b, x - b)  # the update itself, to float64's tolerance
     assert backends.resolved_backends(opt) == [["compiled"]]
 
 
@@ -420,15 +409,16 @@ def test_reaching_the_recompile_limit_is_announced_and_runs_eager(monkeypatch, i
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("compiled", marks=[pytest.mark.slow, needs_compiler])])
-@pytest.mark.parametrize("name", ["adam-norm", "momentum-standard"])
-def test_capturable_path_matches_the_host_path(name, backend):
+@pytest.mark.parametrize("case", [case_of("adam", dtype=torch.float32, variant="adam-norm-coefficients"), MOMENTUM],
+                         ids=lambda c: c.variant.id)
+def test_capturable_path_matches_the_host_path(case, backend):
     """capturable=True keeps counts and coefficients on the device (what a CUDA graph replays);
-    on the CPU the same code path runs, and must equal the host path."""
-    cls, hp, _ = CASES[name]
+    on the CPU the same code path runs, and must equal the host path.  The variant's second
+    hyperparameter set: every coefficient nonzero (norm coefficients, epsilon)."""
     runs = []
     for capturable in (False, True):
         params = _params()
-        opt = cls(params, **hp, backend=backend, capturable=capturable)
+        opt = case.build(params, backend=backend, capturable=capturable, **case.second)
         _steps(opt, params, 6)
         runs.append((params, opt))
     (a, oa), (b, ob) = runs

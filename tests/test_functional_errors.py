@@ -9,6 +9,7 @@ clones taken before the call).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -111,10 +112,15 @@ CASES = [
     Case("R-string", lambda: onnx_call("adagrad", R="0.1"), TypeError, ("R", "'0.1'")),
     Case("R-bool", lambda: onnx_call("adam", R=True), TypeError, ("R", "bool")),
     Case("R-complex", lambda: onnx_call("adam", R=0.1 + 0j), TypeError, ("R", "complex")),
-    Case("R-complex-tensor", lambda: onnx_call("momentum", R=torch.tensor(0.1 + 0j)), TypeError, ("R", "complex")),
+    Case("R-complex-tensor", lambda: onnx_call("momentum", R=torch.tensor(0.1 + 0j)), TypeError,
+         ("R", "complex64")),
     # ---- integer, complex, boolean and non-tensor inputs
     Case("X-int64", lambda: onnx_call("adam", replace={(X, 0): torch.ones(3, dtype=torch.int64)}),
          TypeError, ("X[0]", "int64")),
+    Case("adagrad-X0-int64", lambda: onnx_call("adagrad", replace={(X, 0): torch.ones(3, dtype=torch.int64)}),
+         TypeError, ("X[0]", "int64")),
+    Case("adam-V0-int16", lambda: onnx_call("adam", replace={(2, 0): torch.ones(3, dtype=torch.int16)}),
+         TypeError, ("V[0]", "int16")),
     Case("G1-int32", lambda: onnx_call("adagrad", 2, replace={(G, 1): torch.ones(3, dtype=torch.int32)}),
          TypeError, ("G[1]", "int32")),
     Case("H0-complex64", lambda: onnx_call("adam", replace={(3, 0): _t(dtype=torch.complex64)}),
@@ -149,6 +155,7 @@ CASES = [
     Case("dml-epsilon-nan", lambda: dml_call(epsilon=NAN), ValueError, ("epsilon", "nan")),
     Case("dml-beta2-above-1", lambda: dml_call(beta2=1.5), ValueError, ("beta2", "1.5")),
     Case("dml-beta1-negative", lambda: dml_call(beta1=-0.1), ValueError, ("beta1", "-0.1")),
+    Case("dml-beta2-negative", lambda: dml_call(beta2=-0.1), ValueError, ("beta2", "-0.1")),
     # ---- wrong hyperparameter types
     Case("momentum-alpha-bool", lambda: onnx_call("momentum", alpha=True), TypeError, ("alpha", "bool")),
     Case("adam-beta-bool", lambda: onnx_call("adam", beta=False), TypeError, ("beta", "bool")),
@@ -180,8 +187,8 @@ def test_bad_input(case: Case):
     with pytest.raises(case.exc) as info:
         fn(*args, **kwargs)
     message = str(info.value)
-    for fragment in case.names:
-        assert fragment in message, f"{fragment!r} not in the message {message!r}"
+    for fragment in case.names:  # as a whole word: "beta" is not found in "beta2" or "XXbetaXX"
+        assert re.search(rf"(?<!\w){re.escape(fragment)}(?!\w)", message), f"{fragment!r} not in the message {message!r}"
     assert [_snapshot(t) for t in tensors] == before, "an input tensor changed"
 
 
@@ -219,3 +226,19 @@ def test_snapshot_sees_a_one_bit_change_and_is_nan_safe():
     assert _snapshot(t) == before  # NaN compares equal to itself here, unlike torch.equal
     t.view(torch.int32)[0] ^= 1
     assert _snapshot(t) != before
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_R_may_be_a_one_element_tensor_of_any_shape(shape):
+    """Like torch.optim's lr: a number or a 1-element tensor (0-d or not) gives the same update."""
+    fn, args, kwargs = onnx_call("adam", R=torch.full(shape, 0.1, dtype=torch.float64))
+    _, base_args, _ = onnx_call("adam", R=0.1)
+    for out, expected in zip(fn(*args, **kwargs), fn(*base_args, **kwargs)):
+        assert torch.equal(out, expected)
+
+
+def test_dml_adam_accepts_the_ends_of_its_closed_beta_interval():
+    """DirectML's Beta1 and Beta2 are in [0, 1] (the validator's rule), ends included."""
+    for beta1, beta2 in ((0.0, 0.0), (1.0, 1.0)):
+        fn, args, kwargs = dml_call(beta1=beta1, beta2=beta2, T=2)
+        fn(*args, **kwargs)

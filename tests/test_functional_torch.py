@@ -1,4 +1,4 @@
-"""The ``torch.optim`` equivalences of DESIGN.md §2, used as independent oracles.
+"""The ``torch.optim`` equivalences of docs/design.md §2, used as independent oracles.
 
 Each test runs ``dml_optim.functional`` and a ``torch.optim`` optimizer side by
 side for 25 steps on the same random gradients, in float64, and compares the
@@ -134,7 +134,7 @@ def test_dml_adam_with_zero_epsilon_equals_torch_adam():
 
 
 def test_adam_with_nonzero_epsilon_differs_from_torch_adam():
-    """The epsilon placement (DESIGN.md §2): ONNX/DML add epsilon to the *uncorrected* sqrt(H),
+    """The epsilon placement (docs/design.md §2): ONNX/DML add epsilon to the *uncorrected* sqrt(H),
     torch.optim.Adam to the bias-corrected sqrt(H / (1 - beta**T)).  With epsilon = 1e-3 the
     parameters differ far beyond rounding, while the moments (which epsilon does not touch) agree."""
     lr, alpha, beta, eps = 1e-2, 0.9, 0.999, 1e-3

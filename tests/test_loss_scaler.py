@@ -5,13 +5,16 @@ The growth/backoff rule is checked against a literal re-statement of
 that never saw the overflow step, and the GradScaler path against
 DynamicLossScaler step by step.  Scales are powers of two, so scaling and
 unscaling are exact and runs can be compared bit for bit.
+
+The optimizers come from the test matrix (``tests/matrix.py``: each one's
+default variant, on each device); the dtype axis here is the loss-scaling one
+(float32 and float16 parameters).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import warnings
 import warnings
 
 import numpy as np
@@ -20,17 +23,19 @@ import torch
 
 import dml_optim
 from dml_optim.amp import DynamicLossScaler
+from matrix import Case, case_of, classes
 
 needs_cpu_gradscaler = pytest.mark.skipif(
     not hasattr(torch.amp, "GradScaler"), reason="torch.amp.GradScaler (with device 'cpu') needs torch >= 2.3"
 )
 
-OPTIMIZERS = {
-    "adam": lambda ps: dml_optim.Adam(ps, lr=1e-2),
-    "dml-adam": lambda ps: dml_optim.DmlAdam(ps, lr=1e-2, epsilon=1e-4),
-    "adagrad": lambda ps: dml_optim.Adagrad(ps, lr=1e-2),
-    "momentum": lambda ps: dml_optim.Momentum(ps, lr=1e-2, alpha=0.9),
-}
+ADAM = case_of("adam")
+
+
+def _build(case: Case, params):
+    """The case's optimizer (its default-variant hyperparameters) with lr 1e-2 and, where the rule has
+    one, epsilon 1e-4 (representable in float16)."""
+    return case.build(params, lr=1e-2, **case.epsilon_kwargs(1e-4))
 
 
 def _simulate(flags, init, growth, backoff, interval):
@@ -51,11 +56,11 @@ def _simulate(flags, init, growth, backoff, interval):
     return out
 
 
-def _problem(dtype=torch.float32, name="adam", n=(6, 3)):
+def _problem(dtype=torch.float32, case: Case = ADAM, n=(6, 3)):
     gen = torch.Generator().manual_seed(11)
-    params = [torch.nn.Parameter(torch.randn(k, generator=gen).to(dtype)) for k in n]
-    xs = [[torch.randn(k, generator=gen).to(dtype) for k in n] for _ in range(12)]
-    return params, OPTIMIZERS[name](params), xs
+    params = [torch.nn.Parameter(torch.randn(k, generator=gen).to(dtype=dtype, device=case.device)) for k in n]
+    xs = [[torch.randn(k, generator=gen).to(dtype=dtype, device=case.device) for k in n] for _ in range(12)]
+    return params, _build(case, params), xs
 
 
 def _loss(params, x, overflow=False):
@@ -79,19 +84,32 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(init_scale=0.0), ValueError, "init_scale"),
-    (dict(init_scale=math.inf), ValueError, "init_scale"),
-    (dict(init_scale="big"), TypeError, "init_scale"),
-    (dict(growth_factor=1.0), ValueError, "growth_factor"),
-    (dict(backoff_factor=1.0), ValueError, "backoff_factor"),
-    (dict(backoff_factor=0.0), ValueError, "backoff_factor"),
-    (dict(growth_interval=0), ValueError, "growth_interval"),
-    (dict(growth_interval=2.5), TypeError, "growth_interval"),
-    (dict(growth_interval=True), TypeError, "growth_interval"),
+    (dict(init_scale=0.0), ValueError, r"^init_scale must be > 0, got 0\.0"),
+    (dict(init_scale=math.inf), ValueError, r"^init_scale must be finite, got inf"),
+    (dict(init_scale="big"), TypeError, r"^init_scale must be a real number, got 'big'"),
+    (dict(growth_factor=1.0), ValueError, r"^growth_factor must be > 1, got 1\.0"),
+    (dict(growth_factor="2"), TypeError, r"^growth_factor must be a real number"),
+    (dict(backoff_factor=1.0), ValueError, r"^backoff_factor must be in \(0, 1\), got 1\.0"),
+    (dict(backoff_factor=0.0), ValueError, r"^backoff_factor must be in \(0, 1\), got 0\.0"),
+    (dict(backoff_factor=None), TypeError, r"^backoff_factor must be a real number"),
+    (dict(growth_interval=0), ValueError, r"^growth_interval must be >= 1, got 0"),
+    (dict(growth_interval=2.5), TypeError, r"^growth_interval must be an int, got 2\.5"),
+    (dict(growth_interval=True), TypeError, r"^growth_interval must be an int, got True"),
 ])
 def test_bad_arguments_are_named(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         DynamicLossScaler(**kwargs)
+
+
+def test_scale_takes_a_tensor_or_a_list_or_tuple_of_them():
+    scaler = DynamicLossScaler(init_scale=4.0)
+    a, b = torch.tensor(1.0), torch.tensor([2.0, 3.0])
+    as_list, as_tuple = scaler.scale([a, b]), scaler.scale((a, (b,)))
+    assert type(as_list) is list and type(as_tuple) is tuple and type(as_tuple[1]) is tuple
+    assert torch.equal(as_list[0], torch.tensor(4.0)) and torch.equal(as_list[1], torch.tensor([8.0, 12.0]))
+    assert torch.equal(as_tuple[1][0], torch.tensor([8.0, 12.0]))
+    with pytest.raises(TypeError, match="outputs must be a Tensor or a list/tuple of Tensors, got dict"):
+        scaler.scale({"loss": a})
 
 
 def test_protocol_errors():
@@ -113,13 +131,13 @@ def test_protocol_errors():
 # -- skipping ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_overflow_step_is_skipped_bit_exactly(name, dtype):
+@pytest.mark.parametrize("case", classes())
+def test_overflow_step_is_skipped_bit_exactly(case, dtype):
     overflow_at = 3
     runs = {}
     for with_overflow in (True, False):
-        params, opt, xs = _problem(dtype, name)
+        params, opt, xs = _problem(dtype, case)
         scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=1000)
         snaps, found = [], []
         for i, x in enumerate(xs[:6]):
@@ -151,18 +169,29 @@ def test_skipped_first_fp16_step_with_default_dml_adam_epsilon_keeps_params():
     assert torch.equal(p.detach(), torch.ones(4, dtype=torch.float16))
 
 
-def test_found_inf_counts_every_optimizer_of_the_iteration():
+@pytest.mark.parametrize("overflowing", ["first", "last"])
+def test_found_inf_counts_every_optimizer_of_the_iteration(overflowing):
+    """Whichever optimizer overflows, and whichever steps first, the iteration's update backs off
+    (the scaler keeps every optimizer's verdict, not only the last one's)."""
     params, opt, xs = _problem()
     params2 = [torch.nn.Parameter(torch.ones(4))]
     opt2 = dml_optim.Adam(params2)
     scaler = DynamicLossScaler(init_scale=4.0)
     loss = _loss(params, xs[0]) + (params2[0] * math.inf).sum()
     scaler.scale(loss).backward()
-    assert float(scaler.step(opt)) == 0.0
-    assert float(scaler.step(opt2)) == 1.0
+    order = [(opt2, 1.0), (opt, 0.0)] if overflowing == "first" else [(opt, 0.0), (opt2, 1.0)]
+    for o, found in order:
+        assert float(scaler.step(o)) == found
     scaler.update()
     assert scaler.get_scale() == 2.0  # one overflow in the iteration: back off once
     assert torch.equal(params2[0].detach(), torch.ones(4))
+    # the next iteration is clean on both: no backoff, the tracker counts it
+    for o in (opt, opt2):
+        o.zero_grad()
+    scaler.scale(_loss(params, xs[1]) + params2[0].sum()).backward()
+    assert [float(scaler.step(o)) for o, _ in order] == [0.0, 0.0]
+    scaler.update()
+    assert scaler.state_dict()["scale"] == 2.0 and scaler.state_dict()["_growth_tracker"] == 1
 
 
 # -- the growth/backoff rule -------------------------------------------------------------
@@ -211,9 +240,38 @@ def test_state_dict_round_trip_and_update_new_scale():
         other.load_state_dict({k: v for k, v in state.items() if k != "_growth_tracker"})
     with pytest.raises(ValueError, match="growth_factor"):
         other.load_state_dict({**state, "growth_factor": 0.5})
+    for tracker in (-1, 2.0, True, "2"):
+        with pytest.raises(ValueError, match=r"_growth_tracker must be an int >= 0"):
+            other.load_state_dict({**state, "_growth_tracker": tracker})
+    with pytest.raises(TypeError, match="state_dict must be a dict, got list"):
+        other.load_state_dict([("scale", 8.0)])
     assert other.state_dict() == state  # a rejected state dict changed nothing
     scaler.update(new_scale=3.0)  # update() without a step is fine when a new scale is given
     assert scaler.get_scale() == 3.0
+
+
+@pytest.mark.parametrize("value, exc, match", [
+    (-1.0, ValueError, r"new_scale must be > 0, got -1\.0"),
+    ("big", TypeError, r"new_scale must be a real number, got 'big'"),
+    (torch.ones(2), ValueError, r"new_scale must be a 1-element tensor, got shape \(2,\)"),
+])
+def test_update_new_scale_is_validated_and_refusals_change_nothing(value, exc, match):
+    scaler = DynamicLossScaler(init_scale=8.0)
+    params, opt, xs = _problem()
+    scaler.scale(_loss(params, xs[0])).backward()
+    scaler.step(opt)
+    with pytest.raises(exc, match=match):
+        scaler.update(new_scale=value)
+    assert scaler.get_scale() == 8.0
+
+
+def test_update_new_scale_as_a_one_element_tensor():
+    """``new_scale`` may be a 1-element tensor of any shape (GradScaler's protocol); the scale stays 0-d."""
+    scaler = DynamicLossScaler(init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    scaler.update(new_scale=torch.tensor([[4.0]]))
+    assert scaler.get_scale() == 4.0
+    assert scaler.scale(torch.tensor(1.0)).shape == ()  # a (1, 1) scale would broadcast the loss to (1, 1)
 
 
 @needs_cpu_gradscaler
@@ -347,6 +405,26 @@ def test_unscale_then_clip_then_step_matches_step_without_clipping_when_clip_is_
             scaler.update()
         results.append(p.detach().clone())
     assert torch.equal(results[0], results[1])
+
+
+def test_unscale_needs_a_dml_optim_optimizer():
+    """Both hooks are needed: ``unscale_`` now and ``step_scaled`` at the step (an object with only
+    the first is refused before anything is unscaled)."""
+
+    class OnlyUnscale:
+        def __init__(self):
+            self.calls = 0
+
+        def unscale_(self, inv_scale):
+            self.calls += 1
+
+    scaler = DynamicLossScaler()
+    scaler.scale(torch.ones(()))
+    half = OnlyUnscale()
+    for optimizer in (half, torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)):
+        with pytest.raises(TypeError, match=r"unscale_: optimizer must be a dml_optim optimizer, got (OnlyUnscale|SGD)"):
+            scaler.unscale_(optimizer)
+    assert half.calls == 0
 
 
 def test_unscale_twice_is_refused():

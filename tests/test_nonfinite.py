@@ -2,7 +2,7 @@
 
 * ``propagate`` (default) behaves like torch.optim: an inf/NaN gradient turns
   into NaN/inf parameters and states in the same places (compared with
-  torch.optim in float64 through the DESIGN §2 equivalences).
+  torch.optim in float64 through the docs/design.md §2 equivalences).
 * ``skip``: a step with any non-finite gradient leaves parameters, states and
   step counters bit-exactly unchanged (one flag per step: every "skip" buffer
   skips together), the next finite step continues exactly as a run that never
@@ -12,7 +12,12 @@
   changed; it costs host syncs (counted: one per flat buffer).
 
 All three with None-grad parameters mixed in, several groups, and in chunked
-precision mode (float16 storage, float32 compute).
+precision mode (float16 storage, float32 compute, the inf in the first,
+a middle or the last chunk).
+
+The optimizers, their dtypes, devices and torch.optim twins come from the test
+matrix (``tests/matrix.py``): each optimizer's default variant, which has an
+exact twin, in its widest dtype.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dml_optim.optimizers.engine as engine
-from dml_optim import Adagrad, Adam, DmlAdam, Momentum
-from test_bad_inputs import assert_same, snapshot
 from introspect import buffers, runs_in_chunks
+from matrix import Case, case_of, classes
+from test_bad_inputs import assert_same, snapshot
+from tolerances import assert_close
 
-ALL = (Adam, Adagrad, Momentum, DmlAdam)
+ADAM = case_of("adam")
 INF, NAN = float("inf"), float("nan")
 
 
@@ -58,14 +64,15 @@ def test_host_sync_counter_counts():
 SHAPES = ((3, 2), (5,), (4,))
 
 
-def init_params(dtype=torch.float64):
+def init_params(dtype=torch.float64, device="cpu"):
     gen = torch.Generator().manual_seed(3)
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in SHAPES]
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device) for s in SHAPES]
 
 
-def grad_stream(n, dtype=torch.float64, seed=4):
+def grad_stream(n, dtype=torch.float64, seed=4, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in SHAPES] for _ in range(n)]
+    return [[torch.randn(s, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device) for s in SHAPES]
+            for _ in range(n)]
 
 
 def with_bad(grads, which=2, value=INF, index=1):
@@ -81,25 +88,12 @@ def drop(grads, which):
     return out
 
 
-def kwargs_for(cls):
-    """Hyperparameters with a DESIGN §2 torch.optim equivalent (epsilon 0 for the Adams)."""
-    return {Adam: dict(lr=0.01, epsilon=0.0), DmlAdam: dict(lr=0.01, epsilon=0.0),
-            Adagrad: dict(lr=0.1), Momentum: dict(lr=0.05, alpha=0.9, beta=1.0)}[cls]
-
-
-def torch_equivalent(cls, params):
-    return {
-        Adam: lambda: torch.optim.Adam(params, lr=0.01, eps=0.0, foreach=False),
-        DmlAdam: lambda: torch.optim.Adam(params, lr=0.01, eps=0.0, foreach=False),
-        Adagrad: lambda: torch.optim.Adagrad(params, lr=0.1, foreach=False),
-        Momentum: lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=False),
-    }[cls]()
-
-
-def build(cls, dtype=torch.float64, groups=False, **kw):
-    ps = [torch.nn.Parameter(x) for x in init_params(dtype)]
+def build(case: Case, dtype=None, groups=False, **kw):
+    """Our optimizer with the case's (default-variant) hyperparameters, which have an exact torch.optim
+    twin (docs/design.md §2: epsilon 0 for the Adams), over :func:`init_params`."""
+    ps = [torch.nn.Parameter(x) for x in init_params(dtype or case.dtype, case.device)]
     spec = [{"params": ps[:2]}, {"params": ps[2:]}] if groups else ps
-    return ps, cls(spec, **kwargs_for(cls), **kw)
+    return ps, case.build(spec, **kw)
 
 
 def feed(ps, opt, grads):
@@ -108,29 +102,23 @@ def feed(ps, opt, grads):
     opt.step()
 
 
-def dtype_for(cls):
-    return torch.float32 if cls is DmlAdam else torch.float64  # DmlAdam has no float64
-
-
 # -- propagate ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", [INF, -INF, NAN], ids=["inf", "-inf", "nan"])
-@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
-def test_propagate_matches_torch_optim(cls, bad):
-    dtype = dtype_for(cls)
-    stream = grad_stream(3, dtype)
+@pytest.mark.parametrize("case", classes())
+def test_propagate_matches_torch_optim(case, bad):
+    stream = grad_stream(3, case.dtype, device=case.device)
     stream[1] = with_bad(stream[1], which=1, value=bad, index=2)
-    ps, opt = build(cls, dtype)
-    ref = [torch.nn.Parameter(x) for x in init_params(dtype)]
-    topt = torch_equivalent(cls, ref)
+    ps, opt = build(case)
+    ref = [torch.nn.Parameter(x) for x in init_params(case.dtype, case.device)]
+    topt = case.twin(ref)
     for grads in stream:
         feed(ps, opt, grads)
         feed(ref, topt, grads)
         for p, r in zip(ps, ref):
             assert torch.equal(torch.isnan(p), torch.isnan(r)) and torch.equal(torch.isinf(p), torch.isinf(r))
-            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5 if dtype == torch.float32 else 1e-10,
-                                       atol=1e-6 if dtype == torch.float32 else 1e-12, equal_nan=True)
+            assert_close(p.detach(), r.detach(), equal_nan=True)
     assert not torch.isfinite(ps[1]).all()  # the bad gradient did reach the parameter
     assert torch.isfinite(ps[0]).all() and torch.isfinite(ps[2]).all()  # and nothing else
 
@@ -154,22 +142,17 @@ SKIP_SCENARIOS = {
 }
 
 
-def _skip_params():
-    return [pytest.param(cls, scenario, id=f"{cls.__name__}-{scenario}")
-            for cls in ALL for scenario in sorted(SKIP_SCENARIOS)]
-
-
 @pytest.mark.parametrize("groups", [False, True], ids=["one-group", "two-groups"])
-@pytest.mark.parametrize("cls,scenario", _skip_params())
-def test_skip_leaves_everything_and_continues_as_if_never_seen(cls, scenario, groups):
-    dtype = dtype_for(cls)
-    stream = grad_stream(4, dtype)
+@pytest.mark.parametrize("scenario", sorted(SKIP_SCENARIOS))
+@pytest.mark.parametrize("case", classes())
+def test_skip_leaves_everything_and_continues_as_if_never_seen(case, scenario, groups):
+    stream = grad_stream(4, case.dtype, device=case.device)
     with_bad_steps, first_bad = SKIP_SCENARIOS[scenario](stream)
     bad = [i for i, gs in enumerate(with_bad_steps)
            if any(g is not None and not torch.isfinite(g).all() for g in gs)]
     clean = [gs for i, gs in enumerate(with_bad_steps) if i not in bad]
 
-    ps, opt = build(cls, dtype, groups=groups, nonfinite="skip")
+    ps, opt = build(case, groups=groups, nonfinite="skip")
     for i, grads in enumerate(with_bad_steps):
         before = _world_state(ps, opt)
         with HostSyncCounter() as counter:
@@ -177,60 +160,94 @@ def test_skip_leaves_everything_and_continues_as_if_never_seen(cls, scenario, gr
         assert counter.syncs == 0, f"step {i}: {counter.syncs} host syncs"
         if i in bad:
             assert_same(before, _world_state(ps, opt))
+            # documented: a skipped step zeroes the gradients (the flat buffer, in place: no inf stays behind)
+            assert all(p.grad is None or not p.grad.any() for p in ps), f"step {i}"
 
-    ref_ps, ref = build(cls, dtype, groups=groups, nonfinite="skip")
+    ref_ps, ref = build(case, groups=groups, nonfinite="skip")
     for grads in clean:
         feed(ref_ps, ref, grads)
     assert_same(_world_state(ref_ps, ref), _world_state(ps, opt))
 
     # and the finite part agrees with torch.optim (which never saw the bad steps)
-    tps = [torch.nn.Parameter(x) for x in init_params(dtype)]
-    topt = torch_equivalent(cls, tps)
+    tps = [torch.nn.Parameter(x) for x in init_params(case.dtype, case.device)]
+    topt = case.twin(tps)
     for grads in clean:
         feed(tps, topt, grads)
     for p, t in zip(ps, tps):
-        torch.testing.assert_close(p.detach(), t.detach(), rtol=1e-5 if dtype == torch.float32 else 1e-10,
-                                   atol=1e-6 if dtype == torch.float32 else 1e-12)
+        assert_close(p.detach(), t.detach())
 
 
-@pytest.mark.parametrize("cls,kw", [
-    pytest.param(Adam, dict(epsilon=0.0), id="Adam-eps0"),
-    pytest.param(DmlAdam, dict(epsilon=0.0), id="DmlAdam-eps0"),
-    pytest.param(Adagrad, dict(epsilon=0.0), id="Adagrad-eps0"),
-    pytest.param(Adam, dict(epsilon=1e-8), id="Adam-eps1e-8"),
-    pytest.param(DmlAdam, dict(epsilon=1e-8), id="DmlAdam-eps1e-8"),
-    pytest.param(Adagrad, dict(epsilon=1e-10), id="Adagrad-eps1e-10"),
-    pytest.param(Momentum, {}, id="Momentum"),
-])
-def test_skipped_first_step_with_zero_second_moment(cls, kw):
+def _epsilon_cases():
+    """Each optimizer with epsilon 0 and with its default epsilon (Momentum has none)."""
+    out = []
+    for param in classes(devices=("cpu",)):
+        c = param.values[0]
+        if c.entry.epsilon is None:
+            out.append(pytest.param(c, {}, id=c.cls.__name__))
+            continue
+        default = c.cls.spec.defaults()[c.entry.epsilon]
+        out += [pytest.param(c, c.epsilon_kwargs(0.0), id=f"{c.cls.__name__}-eps0"),
+                pytest.param(c, c.epsilon_kwargs(default), id=f"{c.cls.__name__}-eps{default:g}")]
+    return out
+
+
+@pytest.mark.parametrize("case,kw", _epsilon_cases())
+def test_skipped_first_step_with_zero_second_moment(case, kw):
     """A skipped first step (zero second moment) is exact even with epsilon 0: no 0 * (0/0) = NaN.
 
     (Found by this file: skip_identity now gates epsilon to 1 on a skipped step.)
     """
     p = torch.nn.Parameter(torch.ones(3))
-    opt = cls([p], lr=0.1, nonfinite="skip", **kw)
+    opt = case.cls([p], lr=0.1, nonfinite="skip", **kw)
     p.grad = torch.tensor([1.0, INF, 1.0])
     opt.step()
     assert torch.equal(p.detach(), torch.ones(3))
 
 
-def test_skip_is_one_decision_for_every_skip_buffer():
-    """An inf in group 1 skips group 0's update too (a step is skipped as a whole)."""
-    ps, opt = build(Adam, groups=True, nonfinite="skip")
+@pytest.mark.parametrize("which", [0, 2], ids=["inf-in-group-0", "inf-in-group-1"])
+def test_skip_is_one_decision_for_every_skip_buffer(which):
+    """An inf in either group skips the other group's update too (a step is skipped as a whole;
+    the verdict of every buffer counts, not only the last one's)."""
+    ps, opt = build(ADAM, groups=True, nonfinite="skip")
     feed(ps, opt, grad_stream(1)[0])
     before = _world_state(ps, opt)
-    feed(ps, opt, with_bad(grad_stream(1, seed=9)[0], which=2))
+    feed(ps, opt, with_bad(grad_stream(1, seed=9)[0], which=which))
     assert_same(before, _world_state(ps, opt))
 
 
-@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
-def test_skip_in_chunked_precision_mode(cls, monkeypatch):
-    """float16 storage, float32 compute over 4-element chunks; the inf sits in the last chunk."""
-    monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 4)
-    stream = grad_stream(4, torch.float16)
-    bad_stream = [stream[0], with_bad(stream[1], which=2, index=3), stream[2], stream[3]]
+#: where the inf goes in the chunked tests: (parameter, index) and which chunk that is (SHAPES
+#: (3, 2), (5,), (4,) packed in order = 15 elements, chunks of 4: [0, 4) [4, 8) [8, 12) [12, 15))
+CHUNK_POSITIONS = {"first-chunk": (0, 1), "middle-chunk": (1, 1), "last-chunk": (2, 3)}
+CHUNK = 4
+
+
+def _chunk_of(opt, ps, which, index) -> int:
+    """The chunk holding element ``index`` of ``ps[which]`` in the flat buffer (public layout)."""
+    (info,) = buffers(opt)
+    offset = (ps[which].data_ptr() - info.data.data_ptr()) // info.data.element_size() + index
+    return offset // CHUNK
+
+
+def _assert_chunk(opt, ps, position):
+    which, index = CHUNK_POSITIONS[position]
+    (info,) = buffers(opt)
+    last = (info.numel - 1) // CHUNK
+    got = _chunk_of(opt, ps, which, index)
+    assert {"first-chunk": got == 0, "middle-chunk": 0 < got < last, "last-chunk": got == last}[position], (got, last)
+
+
+@pytest.mark.parametrize("position", sorted(CHUNK_POSITIONS))
+@pytest.mark.parametrize("case", classes())
+def test_skip_in_chunked_precision_mode(case, position, monkeypatch):
+    """float16 storage, float32 compute over 4-element chunks; the inf in the first, a middle or
+    the last chunk (a verdict taken per chunk, or kept from the last chunk only, would fail)."""
+    monkeypatch.setattr(engine, "CHUNK_ELEMENTS", CHUNK)
+    which, index = CHUNK_POSITIONS[position]
+    stream = grad_stream(4, torch.float16, device=case.device)
+    bad_stream = [stream[0], with_bad(stream[1], which=which, index=index), stream[2], stream[3]]
     kw = dict(nonfinite="skip", compute_dtype=torch.float32, state_dtype=torch.float32)
-    ps, opt = build(cls, torch.float16, **kw)
+    ps, opt = build(case, torch.float16, **kw)
+    _assert_chunk(opt, ps, position)
     for i, grads in enumerate(bad_stream):
         before = _world_state(ps, opt)
         with HostSyncCounter() as counter:
@@ -239,7 +256,7 @@ def test_skip_in_chunked_precision_mode(cls, monkeypatch):
         if i == 1:
             assert_same(before, _world_state(ps, opt))
     assert runs_in_chunks(opt)
-    ref_ps, ref = build(cls, torch.float16, **kw)
+    ref_ps, ref = build(case, torch.float16, **kw)
     for grads in (stream[0], stream[2], stream[3]):
         feed(ref_ps, ref, grads)
     assert_same(_world_state(ref_ps, ref), _world_state(ps, opt))
@@ -247,20 +264,20 @@ def test_skip_in_chunked_precision_mode(cls, monkeypatch):
 
 def test_skip_with_master_weights():
     stream = grad_stream(3, torch.float16)
-    ps, opt = build(Adam, torch.float16, nonfinite="skip", master_weights=True)
+    ps, opt = build(ADAM, torch.float16, nonfinite="skip", master_weights=True)
     feed(ps, opt, stream[0])
     before = _world_state(ps, opt)
     feed(ps, opt, with_bad(stream[1], which=0, value=NAN))
     assert_same(before, _world_state(ps, opt))
     feed(ps, opt, stream[2])
-    ref_ps, ref = build(Adam, torch.float16, nonfinite="skip", master_weights=True)
+    ref_ps, ref = build(ADAM, torch.float16, nonfinite="skip", master_weights=True)
     feed(ref_ps, ref, stream[0])
     feed(ref_ps, ref, stream[2])
     assert_same(_world_state(ref_ps, ref), _world_state(ps, opt))
 
 
 def test_skipped_step_is_not_counted_in_state_dict():
-    ps, opt = build(Adam, nonfinite="skip")
+    ps, opt = build(ADAM, nonfinite="skip")
     stream = grad_stream(2)
     feed(ps, opt, stream[0])
     feed(ps, opt, with_bad(stream[1]))
@@ -271,11 +288,10 @@ def test_skipped_step_is_not_counted_in_state_dict():
 
 
 @pytest.mark.parametrize("groups", [False, True], ids=["one-group", "two-groups"])
-@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
-def test_raise_names_the_parameters_and_changes_nothing(cls, groups):
-    dtype = dtype_for(cls)
-    stream = grad_stream(2, dtype)
-    ps, opt = build(cls, dtype, groups=groups, nonfinite="raise")
+@pytest.mark.parametrize("case", classes())
+def test_raise_names_the_parameters_and_changes_nothing(case, groups):
+    stream = grad_stream(2, case.dtype, device=case.device)
+    ps, opt = build(case, groups=groups, nonfinite="raise")
     feed(ps, opt, stream[0])
     grads = with_bad(with_bad(drop(stream[1], 0), which=1, value=NAN), which=2, value=-INF)
     for p, g in zip(ps, grads):
@@ -294,32 +310,50 @@ def test_raise_names_the_parameters_and_changes_nothing(cls, groups):
 
 
 def test_raise_costs_one_host_sync_per_step_and_propagate_none():
-    ps, opt = build(Adam, nonfinite="raise")
+    ps, opt = build(ADAM, nonfinite="raise")
     with HostSyncCounter() as counter:
         feed(ps, opt, grad_stream(1)[0])
     assert counter.syncs == 1
-    ps, opt = build(Adam, groups=True, nonfinite="raise")
+    ps, opt = build(ADAM, groups=True, nonfinite="raise")
     with HostSyncCounter() as counter:
         feed(ps, opt, grad_stream(1)[0])
     assert counter.syncs == 1  # one per step, whatever the number of flat buffers
-    ps, opt = build(Adam)
+    ps, opt = build(ADAM)
     with HostSyncCounter() as counter:
         feed(ps, opt, grad_stream(1)[0])
     assert counter.syncs == 0
 
 
-def test_raise_in_chunked_mode(monkeypatch):
-    monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 4)
+@pytest.mark.parametrize("position", sorted(CHUNK_POSITIONS))
+def test_raise_in_chunked_mode(position, monkeypatch):
+    monkeypatch.setattr(engine, "CHUNK_ELEMENTS", CHUNK)
+    which, index = CHUNK_POSITIONS[position]
     stream = grad_stream(2, torch.float16)
-    ps, opt = build(Adam, torch.float16, nonfinite="raise", compute_dtype=torch.float32)
+    ps, opt = build(ADAM, torch.float16, nonfinite="raise", compute_dtype=torch.float32)
+    _assert_chunk(opt, ps, position)
     feed(ps, opt, stream[0])
-    grads = with_bad(stream[1], which=2, index=3)
+    grads = with_bad(stream[1], which=which, index=index)
     for p, g in zip(ps, grads):
         p.grad = g.clone()
     before = snapshot(ps, opt)
-    with pytest.raises(FloatingPointError, match=r"param_groups\[0\]\['params'\]\[2\]"):
+    with pytest.raises(FloatingPointError, match=rf"param_groups\[0\]\['params'\]\[{which}\]"):
         opt.step()
     assert_same(before, snapshot(ps, opt))
+
+
+def test_raise_mode_ignores_the_stale_gradient_slot_of_a_parameter_without_grad():
+    """An inf left in the flat gradient slot of a parameter whose grad was later set to
+    None must not make every following step raise (with an empty parameter list)."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = ADAM.cls([a, b], lr=0.1, nonfinite="raise")
+    (a.sum() + (b * math.inf).sum()).backward()
+    with pytest.raises(FloatingPointError, match=r"\['params'\]\[1\]"):
+        opt.step()
+    a.grad = b.grad = None
+    a.sum().backward()
+    opt.step()  # b has no gradient now: nothing non-finite is left to report
+    assert torch.isfinite(a).all() and not torch.equal(a.detach(), torch.ones(3))
+    assert torch.equal(b.detach(), torch.ones(3))
 
 
 def test_float16_overflow_to_inf_is_caught_by_skip():
@@ -327,7 +361,7 @@ def test_float16_overflow_to_inf_is_caught_by_skip():
     g = torch.tensor([7e4]).to(torch.float16)
     assert math.isinf(float(g))
     p = torch.nn.Parameter(torch.ones(1, dtype=torch.float16))
-    opt = Adam([p], nonfinite="skip", epsilon=1e-4)
+    opt = ADAM.cls([p], nonfinite="skip", epsilon=1e-4)
     p.grad = g
     opt.step()
     assert float(p.detach()) == 1.0

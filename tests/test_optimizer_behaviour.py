@@ -2,7 +2,7 @@
 add_param_group, data_ptr stability, DmlAdam's DirectML constraints.
 
 Oracles: ``torch.optim.Adam`` with ``eps=0`` (equal to ``dml_optim.Adam`` with
-``epsilon=0``, DESIGN.md §2), ``torch.optim.Adagrad``/``SGD``, and direct
+``epsilon=0``, docs/design.md §2), ``torch.optim.Adagrad``/``SGD``, and direct
 checks of storage and identity.
 """
 
@@ -20,7 +20,8 @@ import dml_optim
 from dml_optim.cli import main
 from dml_optim.optimizers.dml_adam import UINT32_MAX
 from tolerances import assert_close
-from introspect import buffers, runs_in_chunks
+from introspect import buffers
+from matrix import classes
 
 F64 = torch.float64
 
@@ -314,16 +315,16 @@ def test_group_hyperparameters_can_change_between_steps():
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cls", [dml_optim.Adam, dml_optim.Adagrad, dml_optim.Momentum, dml_optim.DmlAdam],
-                         ids=lambda c: c.__name__)
-def test_packing_keeps_parameters_and_module_outputs(cls):
-    dtype = torch.float32 if cls is dml_optim.DmlAdam else F64
-    model = _model(dtype)
+@pytest.mark.parametrize("case", classes())
+def test_packing_keeps_parameters_and_module_outputs(case):
+    """Every optimizer of the test matrix, in its widest dtype, on each device."""
+    dtype = case.dtype
+    model = _model(dtype).to(case.device)
     params = list(model.parameters())
-    x, _ = _batch(0, dtype)
+    x = _batch(0, dtype)[0].to(case.device)
     with torch.no_grad():
         out_before = model(x).clone()
-    opt = cls(model.parameters(), lr=0.01)
+    opt = case.cls(model.parameters(), lr=0.01)
     assert [id(p) for p in model.parameters()] == [id(p) for p in params]  # same Parameter objects
     assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
     with torch.no_grad():
@@ -334,12 +335,25 @@ def test_packing_keeps_parameters_and_module_outputs(cls):
     assert opt.param_groups[0]["params"][0] is params[0]
     for step in range(3):
         opt.zero_grad()
-        _loss(model, step, dtype).backward()
+        x_step, y_step = (t.to(case.device) for t in _batch(step, dtype))
+        torch.nn.functional.mse_loss(model(x_step), y_step).backward()
         opt.step()
         assert [p.data_ptr() for p in model.parameters()] == ptrs
         assert [id(p) for p in model.parameters()] == [id(p) for p in params]
     with torch.no_grad():
         assert not torch.equal(model(x), out_before)  # it trained, through the same objects
+
+
+@pytest.mark.parametrize("kwargs", [dict(nonfinite="skip"), dict(nonfinite="raise"), dict(master_weights=True)])
+def test_a_buffer_of_empty_parameters_steps(kwargs):
+    dtype = torch.float16 if kwargs.get("master_weights") else torch.float32
+    p = torch.nn.Parameter(torch.empty(0, dtype=dtype))
+    q = torch.nn.Parameter(torch.ones(2, dtype=dtype))
+    opt = dml_optim.Adam([p, q] if not kwargs.get("master_weights") else [p], lr=0.1, **kwargs)
+    p.grad = torch.empty(0, dtype=dtype)
+    q.grad = torch.ones(2, dtype=dtype)
+    opt.step()
+    assert p.numel() == 0
 
 
 # --------------------------------------------------------------------------
@@ -410,3 +424,12 @@ def test_dml_adam_raises_before_the_step_counter_leaves_uint32():
             assert torch.equal(before[k][key], after[k][key])
     assert torch.equal(p.detach(), params_before[0]) and torch.equal(q.detach(), params_before[1])
     assert buffers(opt)[0].step_counts == (UINT32_MAX,) * 2
+
+
+def test_dml_descriptors_refuse_moments_in_another_dtype():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = dml_optim.DmlAdam([p], state_dtype=torch.float32, epsilon=1e-4)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    with pytest.raises(ValueError, match="one data type"):
+        opt.dml_descriptors()

@@ -1,233 +1,226 @@
-"""The four optimizers against independent oracles over 50 steps (DESIGN.md §2).
+"""Every optimizer of the test matrix (tests/matrix.py) against independent oracles over 50 steps (docs/design.md §2).
 
 Model: mixed shapes (0-d, 1-d, 2-d, 4-d conv weight) in two param groups with
 different hyperparameters (the second with ``norm_coefficient``/``weight_decay``).
-Each optimizer is compared, at every step, with
+Each matrix case (optimizer variant x dtype x backend x device) is compared, at every step, with
 
-* ``torch.optim`` per the equivalences of DESIGN.md §2 (Adam and DmlAdam with
-  epsilon 0; Adagrad; Momentum standard with beta != 1, nesterov with beta = 1);
-* ``dml_optim.functional``'s out-of-place ONNX-convention functions applied
-  parameter by parameter, with T as DESIGN.md §2 says (Adam/DmlAdam from 1,
-  Adagrad/Momentum from 0).
+* its exact ``torch.optim`` twin per docs/design.md §2 (Adam and DmlAdam with
+  epsilon 0; AdamW; Adagrad; Momentum standard, and nesterov with beta = 1),
+  written out in the matrix, not taken from the registry;
+* the float64 NumPy transcription of its spec (``tests/reference/numpy_ref.py``),
+  applied parameter by parameter to our pre-step values, with T as docs/design.md
+  §2 says (Adam/DmlAdam/AdamW from 1, Adagrad/Momentum from 0): every step's
+  update and states to the tolerance of the parameter dtype, with a learning
+  rate that changes every step (a scheduler: no recompilation, and the new
+  value is used).
 
-The matrix (case x dtype) is data; ids read ``adam-float64`` etc.
+The backend axis: every case eager; each optimizer's default variant compiled
+(slow) in float32, the dtype models train in (the compiled float64 coefficients
+have their own test in ``test_backends.py``); a compile fallback fails the test.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+import warnings
 
 import pytest
 import torch
 
 import dml_optim
-from dml_optim import functional as F
-from tolerances import TORCH_ADAM_FLOAT32, assert_close
+import dml_optim.backends
+from dml_optim import compiled
+from dml_optim.optimizers import registry
+from matrix import ENTRIES, Case, cases, classes
+from tolerances import assert_close, assert_close_to_reference
 
 STEPS = 50
 SHAPES = [(), (7,), (5, 3), (4, 3, 3, 3)]
 #: Which parameter goes to which group: 0-d and conv in group 0, 1-d and 2-d in group 1.
 GROUPS = [[0, 3], [1, 2]]
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    ours: Callable[..., torch.optim.Optimizer]
-    groups: tuple[dict[str, Any], dict[str, Any]]  # our hyperparameters per group
-    torch_opt: Callable[..., torch.optim.Optimizer] | None
-    torch_groups: tuple[dict[str, Any], dict[str, Any]] | None
-    functional: Callable  # (hyper, T_completed, x, g, states) -> (x_new, states_new)
-    state_names: tuple[str, ...]
-    #: DmlAdam takes float32/float16 only (DirectML's ADAM_OPTIMIZER has no float64).
-    dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
-
-
-def _adam_ref(h, t, x, g, states):
-    out = F.adam(h["lr"], t + 1, x, g, *states, alpha=h["alpha"], beta=h["beta"], epsilon=h["epsilon"],
-                 norm_coefficient=h["norm_coefficient"], norm_coefficient_post=h.get("norm_coefficient_post", 0.0))
-    return out[0], list(out[1:])
-
-
-def _dml_adam_ref(h, t, x, g, states):
-    xn, m, v = F.dml_adam(x, states[0], states[1], g, t + 1, learning_rate=h["lr"], beta1=h["beta1"],
-                          beta2=h["beta2"], epsilon=h["epsilon"])
-    return xn, [m, v]
-
-
-def _adagrad_ref(h, t, x, g, states):
-    out = F.adagrad(h["lr"], t, x, g, *states, decay_factor=h["decay_factor"], epsilon=h["epsilon"],
-                    norm_coefficient=h["norm_coefficient"])
-    return out[0], list(out[1:])
-
-
-def _momentum_ref(h, t, x, g, states):
-    out = F.momentum(h["lr"], t, x, g, *states, alpha=h["alpha"], beta=h["beta"], mode=h["mode"],
-                     norm_coefficient=h["norm_coefficient"])
-    return out[0], list(out[1:])
-
-
-CASES = [
-    Case(
-        "adam",
-        dml_optim.Adam,
-        (dict(lr=1e-2, alpha=0.9, beta=0.999, epsilon=0.0, norm_coefficient=0.0),
-         dict(lr=3e-3, alpha=0.8, beta=0.99, epsilon=0.0, norm_coefficient=0.01)),
-        torch.optim.Adam,
-        (dict(lr=1e-2, betas=(0.9, 0.999), eps=0.0, weight_decay=0.0),
-         dict(lr=3e-3, betas=(0.8, 0.99), eps=0.0, weight_decay=0.01)),
-        _adam_ref,
-        ("exp_avg", "exp_avg_sq"),
-    ),
-    Case(
-        "dml-adam",
-        dml_optim.DmlAdam,
-        (dict(lr=1e-2, beta1=0.9, beta2=0.999, epsilon=0.0), dict(lr=2e-3, beta1=0.85, beta2=0.98, epsilon=0.0)),
-        torch.optim.Adam,
-        (dict(lr=1e-2, betas=(0.9, 0.999), eps=0.0), dict(lr=2e-3, betas=(0.85, 0.98), eps=0.0)),
-        _dml_adam_ref,
-        ("exp_avg", "exp_avg_sq"),
-        (torch.float32, torch.float16),
-    ),
-    Case(
-        "adagrad",
-        dml_optim.Adagrad,
-        (dict(lr=0.1, decay_factor=0.01, epsilon=1e-10, norm_coefficient=0.0),
-         dict(lr=0.05, decay_factor=0.0, epsilon=1e-6, norm_coefficient=0.02)),
-        torch.optim.Adagrad,
-        (dict(lr=0.1, lr_decay=0.01, eps=1e-10, weight_decay=0.0), dict(lr=0.05, lr_decay=0.0, eps=1e-6, weight_decay=0.02)),
-        _adagrad_ref,
-        ("sum",),
-    ),
-    Case(
-        "momentum-standard",
-        dml_optim.Momentum,
-        (dict(lr=0.05, alpha=0.9, beta=0.8, mode="standard", norm_coefficient=0.0),
-         dict(lr=0.02, alpha=0.5, beta=0.9, mode="standard", norm_coefficient=0.01)),
-        torch.optim.SGD,
-        (dict(lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.0),
-         dict(lr=0.02, momentum=0.5, dampening=0.1, weight_decay=0.01)),
-        _momentum_ref,
-        ("momentum_buffer",),
-    ),
-    Case(
-        "momentum-nesterov",
-        dml_optim.Momentum,
-        (dict(lr=0.05, alpha=0.9, beta=1.0, mode="nesterov", norm_coefficient=0.0),
-         dict(lr=0.02, alpha=0.7, beta=1.0, mode="nesterov", norm_coefficient=0.01)),
-        torch.optim.SGD,
-        (dict(lr=0.05, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.0),
-         dict(lr=0.02, momentum=0.7, dampening=0.0, nesterov=True, weight_decay=0.01)),
-        _momentum_ref,
-        ("momentum_buffer",),
-    ),
-    # No torch.optim equivalent (epsilon placement, decoupled post-decay): functional oracle only.
-    Case(
-        "adam-onnx-epsilon-post",
-        dml_optim.Adam,
-        (dict(lr=1e-2, alpha=0.9, beta=0.999, epsilon=1e-6, norm_coefficient=0.0, norm_coefficient_post=0.01),
-         dict(lr=3e-3, alpha=0.8, beta=0.99, epsilon=1e-3, norm_coefficient=0.05, norm_coefficient_post=0.001)),
-        None,
-        None,
-        _adam_ref,
-        ("exp_avg", "exp_avg_sq"),
-    ),
-    Case(
-        "dml-adam-epsilon",
-        dml_optim.DmlAdam,
-        (dict(lr=1e-2, beta1=0.9, beta2=0.999, epsilon=1e-8), dict(lr=2e-3, beta1=0.85, beta2=0.98, epsilon=1e-4)),
-        None,
-        None,
-        _dml_adam_ref,
-        ("exp_avg", "exp_avg_sq"),
-        (torch.float32, torch.float16),
-    ),
-]
-_DT = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16"}
-MATRIX = [pytest.param(c, d, id=f"{c.id}-{_DT[d]}") for c in CASES for d in c.dtypes]
-# float16 against torch.optim would measure torch's float16 arithmetic, not ours: functional oracle only.
-TORCH_MATRIX = [p for p in MATRIX if p.values[0].torch_opt is not None and p.values[1] != torch.float16]
-
-
-def _initial(dtype):
-    g = torch.Generator().manual_seed(1234)
-    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in SHAPES]
-
-
-def _grads(step: int, dtype):
-    g = torch.Generator().manual_seed(10_000 + step)
-    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in SHAPES]
-
-
-def _param_groups(params, hypers):
-    return [dict(params=[params[i] for i in idx], **h) for idx, h in zip(GROUPS, hypers)]
-
-
 #: state_dict() numbers parameters in param-group order: index k is parameter ORDER[k].
 ORDER = [i for idx in GROUPS for i in idx]
+
+# eager: every variant in every dtype; compiled (slow): each optimizer's default variant in float32,
+# whose graphs (one per group structure) both tests share
+COMPILED = dict(backends=("compiled",), dtypes=(torch.float32,))
+TORCH_CASES = cases(variants="all", twin=True, low_precision=False) + cases(twin=True, **COMPILED)
+REFERENCE_CASES = cases(variants="all") + cases(**COMPILED)
+
+
+def _lr(step: int, base: float) -> float:
+    """A schedule that changes the learning rate every step."""
+    return base * (0.5 + 0.5 * (0.93**step))
+
+
+@pytest.fixture
+def compile_fallbacks_fail():
+    """A compiled case that fell back to eager would test eager twice."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", compiled.CompileFallbackWarning)
+        yield
+
+
+def _initial(case: Case):
+    g = torch.Generator().manual_seed(1234)
+    return [case.randn(s, g) for s in SHAPES]
+
+
+def _grads(case: Case, step: int):
+    g = torch.Generator().manual_seed(10_000 + step)
+    return [case.randn(s, g) for s in SHAPES]
+
+
+def _split(params):
+    return [params[i] for i in GROUPS[0]], [params[i] for i in GROUPS[1]]
 
 
 def _group_of(i: int) -> int:
     return next(gi for gi, idx in enumerate(GROUPS) if i in idx)
 
 
-def _torch_tol(case: Case, dtype):
-    if dtype == torch.float32 and case.torch_opt is torch.optim.Adam:
-        return TORCH_ADAM_FLOAT32
-    return {}
+def test_matrix_covers_the_registry():
+    """Adding an optimizer to the registry without a matrix entry (or the reverse) fails here."""
+    assert set(ENTRIES) == set(registry.OPTIMIZERS)
+    for name, e in ENTRIES.items():
+        assert e.states == e.cls.state_names, name
+        assert set(e.dtypes) <= set(e.cls.dtypes), name
+        assert any(e.twin_kwargs(v.hyper) is not None for v in e.variants), f"{name}: no variant with a torch twin"
+        assert {n for n, *_ in e.intervals} == {h.name for h in e.cls.spec.hyperparameters if h.kind == "float"}, name
 
 
-def test_matrix_covers_every_optimizer():
-    classes = {c.ours for c in CASES if c.torch_opt is not None}
-    assert classes == {dml_optim.Adam, dml_optim.DmlAdam, dml_optim.Adagrad, dml_optim.Momentum}
+@pytest.mark.parametrize("case", cases(variants="all", devices=("cpu",), dtypes="widest"))
+def test_the_registry_twin_is_the_matrix_twin(case: Case):
+    """``registry.torch_equivalent(exact=True)`` (what ``audit``/``compare`` use) builds the twin
+    written out in the matrix, and refuses where the matrix says there is none."""
+    p = [torch.nn.Parameter(torch.zeros(2, dtype=case.dtype))]
+    expected = case.entry.twin_kwargs(case.hyper)
+    if expected is None:
+        with pytest.raises(ValueError, match="equivalent"):
+            registry.torch_equivalent(case.name, p, exact=True, **case.hyper)
+        return
+    got = registry.torch_equivalent(case.name, p, exact=True, foreach=False, **case.hyper)
+    assert type(got) is case.entry.torch_class
+    group = got.param_groups[0]
+    for key, value in expected.items():
+        assert group[key] == pytest.approx(value, rel=1e-15, abs=0), key
 
 
-@pytest.mark.parametrize("case,dtype", TORCH_MATRIX)
-def test_matches_torch_optim_every_step(case: Case, dtype):
-    ours_p = [torch.nn.Parameter(t.clone()) for t in _initial(dtype)]
-    ref_p = [torch.nn.Parameter(t.clone()) for t in _initial(dtype)]
-    ours = case.ours(_param_groups(ours_p, case.groups), lr=case.groups[0]["lr"])  # Momentum requires lr
-    ref = case.torch_opt(_param_groups(ref_p, case.torch_groups), foreach=False)
-    tol = _torch_tol(case, dtype)
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_matches_torch_optim_every_step(case: Case, compile_fallbacks_fail):
+    ours_p, ref_p = ([torch.nn.Parameter(t.clone()) for t in _initial(case)] for _ in range(2))
+    ours = case.build(case.groups(*_split(ours_p)))
+    ref = case.twin(case.groups(*_split(ref_p)))
+    tol = case.torch_tolerance()
     for step in range(STEPS):
-        for p, q, g in zip(ours_p, ref_p, _grads(step, dtype)):
+        for p, q, g in zip(ours_p, ref_p, _grads(case, step)):
             p.grad = g.clone()
             q.grad = g.clone()
         ours.step()
         ref.step()
-        for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+        for p, q in zip(ours_p, ref_p):
             assert_close(p.detach(), q.detach(), **tol)
     # the states, in torch.optim's names, match too
     ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
     for k in range(len(SHAPES)):
-        for name in case.state_names:
-            assert_close(ours_sd["state"][k][name], ref_sd["state"][k][name], **tol)
+        assert set(ours_sd["state"][k]) - {"step"} == set(ref_sd["state"][k]) - {"step"}
+        for name in case.states:
+            assert_close(ours_sd["state"][k][name], ref_sd["state"][k][name].to(case.dtype), **tol)
         if "step" in ref_sd["state"][k]:  # torch.optim.SGD keeps no step count
             assert float(ours_sd["state"][k]["step"]) == float(ref_sd["state"][k]["step"]) == STEPS
+    if case.backend == "compiled":
+        assert dml_optim.backends.resolved_backends(ours) == [["compiled"], ["compiled"]]
+        assert compiled.fell_back(ours) is None
 
 
-@pytest.mark.parametrize("case,dtype", MATRIX)
-def test_matches_functional_every_step(case: Case, dtype):
-    """Flat in-place updates equal the per-parameter out-of-place ONNX-convention functions."""
-    ours_p = [torch.nn.Parameter(t.clone()) for t in _initial(dtype)]
-    ours = case.ours(_param_groups(ours_p, case.groups), lr=case.groups[0]["lr"])  # Momentum requires lr
-    xs = [t.clone() for t in _initial(dtype)]
-    states = [[torch.zeros_like(x) for _ in case.state_names] for x in xs]
+@pytest.mark.parametrize("case", REFERENCE_CASES)
+def test_matches_the_float64_reference_every_step(case: Case, compile_fallbacks_fail):
+    """Each step, from our pre-step values, equals the float64 NumPy spec to the dtype's tolerance
+    (parameters and every state), so an error of one step cannot hide in the drift of many; the
+    learning rate of both groups changes every step."""
+    ours_p = [torch.nn.Parameter(t.clone()) for t in _initial(case)]
+    ours = case.build(case.groups(*_split(ours_p)))
+    hypers = [case.hyper, {**case.hyper, **case.second}]
+    base = [h["lr"] for h in hypers]
     for step in range(STEPS):
-        grads = _grads(step, dtype)
+        for group, h, lr in zip(ours.param_groups, hypers, base):
+            group["lr"] = h["lr"] = _lr(step, lr)
+        grads = _grads(case, step)
+        before = [p.detach().clone() for p in ours_p]
+        states = ([[torch.zeros_like(p) for _ in case.states] for p in ours_p] if step == 0 else
+                  [[ours.state[p][n].clone() for n in case.states] for p in ours_p])
         for p, g in zip(ours_p, grads):
             p.grad = g.clone()
         ours.step()
-        for i, g in enumerate(grads):
-            xs[i], states[i] = case.functional(case.groups[_group_of(i)], step, xs[i], g, states[i])
-        for p, x in zip(ours_p, xs):
-            assert_close(p.detach(), x)
+        for i, p in enumerate(ours_p):
+            x, s = case.reference_step(hypers[_group_of(i)], step, before[i], grads[i], states[i])
+            assert_close_to_reference(p.detach(), x)
+            for name, expected in zip(case.states, s):
+                assert_close_to_reference(ours.state[p][name], expected)
     sd = ours.state_dict()
-    for k, i in enumerate(ORDER):
-        for name, s in zip(case.state_names, states[i]):
-            assert_close(sd["state"][k][name], s)
+    for k in range(len(ORDER)):
         assert float(sd["state"][k]["step"]) == STEPS
+    expected = "compiled" if case.backend == "compiled" else "eager"
+    assert dml_optim.backends.resolved_backends(ours) == [[expected], [expected]]
+    if case.backend == "compiled":
+        assert compiled.fell_back(ours) is None
+
+
+#: precision modes: (parameter dtype, options); the rule runs in float32 over bounded chunks, converting
+#: operands into a fixed scratch, or on a float32 master copy whose rounding is written to the parameters
+PRECISION_MODES = {
+    "fp16-params-fp32-compute": (torch.float16, dict(compute_dtype=torch.float32)),
+    "fp32-params-fp16-states": (torch.float32, dict(state_dtype=torch.float16)),
+    "fp16-master-weights": (torch.float16, dict(master_weights=True)),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(PRECISION_MODES))
+@pytest.mark.parametrize("case", classes())
+def test_precision_modes_match_the_float64_reference_every_step(case: Case, mode):
+    """Each step of a precision mode, from our pre-step values (the master copy where there is one),
+    equals the float64 reference rounded to the stored dtypes: converted states are written back,
+    the master copy is updated and rounded into the parameters."""
+    dtype, options = PRECISION_MODES[mode]
+    low = Case(case.entry, case.variant, dtype, case.backend, case.device)
+    hyper = {**case.hyper, **case.epsilon_kwargs(1e-4)}  # an epsilon float16 can hold
+    ours_p = [torch.nn.Parameter(t.clone()) for t in _initial(low)]
+    ours = low.build(ours_p, **hyper, **options)
+    master = options.get("master_weights", False)
+    for step in range(10):
+        grads = _grads(low, step)
+        before = [(ours.state[p]["master_param"] if master and step else p.detach()).clone() for p in ours_p]
+        states = ([[torch.zeros_like(p) for _ in low.states] for p in ours_p] if step == 0 else
+                  [[ours.state[p][n].clone() for n in low.states] for p in ours_p])
+        for p, g in zip(ours_p, grads):
+            p.grad = g.clone()
+        ours.step()
+        for i, p in enumerate(ours_p):
+            x, s = low.reference_step(hyper, step, before[i], grads[i], states[i])
+            if master:
+                assert_close_to_reference(ours.state[p]["master_param"], x)
+                assert torch.equal(p.detach(), ours.state[p]["master_param"].to(dtype))
+            else:
+                assert_close_to_reference(p.detach(), x)
+            for name, expected in zip(low.states, s):
+                assert_close_to_reference(ours.state[p][name], expected)
+
+
+@pytest.mark.parametrize("options, slots", [
+    (dict(compute_dtype=torch.float32), 5),                               # x, g, exp_avg, exp_avg_sq + the rule's
+    (dict(compute_dtype=torch.float32, state_dtype=torch.float32), 3),    # x, g + the rule's
+    (dict(master_weights=True), 2),                                       # g (the master copy is float32) + the rule's
+    (dict(kahan=True), 5),                                                # g, updated x, old x, compensation + the rule's
+], ids=["fp16-fp32-compute", "fp16-fp32-states", "master-weights", "kahan"])
+def test_a_chunked_update_has_one_scratch_slot_per_converted_operand(options, slots):
+    """docs/design.md §5, Memory: a converting update runs over bounded chunks with one float32 slot
+    per operand it converts (Kahan: the updated and the old parameters and the compensation) and the
+    rule's own temporary; nothing more (Adam, float16 parameters)."""
+    p = torch.nn.Parameter(torch.randn(10).half())
+    p.grad = torch.randn(10).half()
+    opt = dml_optim.Adam([p], epsilon=1e-4, **options)
+    opt.step()
+    scratch = opt.flat_buffers()[0].scratch
+    assert len(scratch) == slots and all(t.dtype == torch.float32 and t.numel() == 10 for t in scratch)
 
 
 def test_first_steps_use_the_spec_step_counters():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dml_optim
-from introspect import buffers, runs_in_chunks
+from introspect import buffers
 
 
 def _model_and_opts():

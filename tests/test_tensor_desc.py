@@ -1,6 +1,6 @@
 """The descriptor model: DMLCalcBufferTensorSize, dml_sizes, describe_tensor, JSON, builders.
 
-Expected numbers are worked by hand from the DirectML docs (DESIGN.md §3):
+Expected numbers are worked by hand from the DirectML docs (docs/design.md §3):
 packed size = product(sizes) * element size; strided size =
 (sum((size_i - 1) * stride_i) + 1) * element size; both rounded up to 4.
 """

@@ -2,7 +2,7 @@
 
 Each case changes the literal base descriptor of ``_desc_helpers.base_dict``
 (FLOAT32 [1, 1, 1, 1024], in place) in one way; the numbers are hand-worked
-from DESIGN.md §3.
+from docs/design.md §3.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def test_alias_rules():
     assert v.rule == "alias" and "TotalTensorSizeInBytes 8192 vs 4096" in v.message
     # explicit packed strides equal omitted strides: still an identical desc
     assert validate(mutated(BASE, **{"OutputParametersTensor.Strides": [1024, 1024, 1024, 1]})).valid
-    # DESIGN.md §3: any input/output pair with identical range and desc is a legal in-place pair
+    # docs/design.md §3: any input/output pair with identical range and desc is a legal in-place pair
     assert validate(mutated(BASE, **{"Bindings.GradientTensor.Buffer": "weights"})).valid
     # different buffers never overlap
     assert validate(mutated(BASE, **{"Bindings.OutputFirstMomentTensor.Buffer": "elsewhere"})).valid
@@ -462,3 +462,37 @@ def test_astronomical_values_do_not_crash_messages():
     assert all(len(v.message) < 400 for v in report.violations)
     huge_step = validate(from_dict(BASE).replace(training_step_value=10**5000))
     assert [v.rule for v in huge_step.violations] == ["training-step-range"]
+
+
+# -- what the messages show (mutation testing found these unpinned) ---------------------------
+
+
+@pytest.mark.parametrize("value, shown", [
+    ([[[[]]]], "got [[[[]]]]"),            # an empty list at the preview's depth limit
+    ([[[[1]]]], "got [[[[...]]]]"),        # a non-empty one
+    ({"a": [1]}, 'got {"a": [1]}'),        # a mapping: keys and values
+    (np.bool_(True), "got <bool>"),        # numpy's bool is not an integer, like Python's
+    (2**300, "= <a 301-bit integer> does not fit in UINT"),
+])
+def test_malformed_messages_preview_the_value(value, shown):
+    with pytest.raises(MalformedDescriptor) as info:
+        from_dict(mutated(BASE, **{"InputParametersTensor.Sizes": [value, 1, 1, 1024]}))
+    assert str(info.value).startswith("InputParametersTensor.Sizes[0] ") and shown in str(info.value), str(info.value)
+
+
+def test_binding_offset_beyond_uint64_names_the_c_type():
+    with pytest.raises(MalformedDescriptor, match=r"^Bindings\.InputParametersTensor\.Offset = 18446744073709551616 "
+                                                 r"does not fit in UINT64 \(0\.\.18446744073709551615\)$"):
+        from_dict(mutated(BASE, **{"Bindings.InputParametersTensor.Offset": 2**64}))
+
+
+@pytest.mark.parametrize("value, shown", [(2**256 - 1, str(2**256 - 1)), (2**256, "a 257-bit number")])
+def test_huge_step_values_are_shown_in_digits_up_to_256_bits(value, shown):
+    [v] = validate(from_dict(mutated(BASE, TrainingStepValue=value))).violations
+    assert v.message == f"TrainingStepValue = {shown} does not fit in UINT32 (0..4294967295)"
+
+
+def test_alias_with_another_data_type_names_the_difference():
+    report = validate(from_dict(mutated(BASE, **{"OutputParametersTensor.DataType": "FLOAT16"})))
+    (alias,) = [v for v in report.violations if v.rule == "alias"]
+    assert alias.message.endswith("in-place execution needs identical tensor descs (DataType FLOAT16 vs FLOAT32)")

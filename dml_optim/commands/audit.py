@@ -121,7 +121,7 @@ def _audit(kind: str, name: str, shapes, seed: int, clip: bool = False):
     else:
         report = audit_call(opt, lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))
         report.optimizer = "torch.nn.utils.clip_grad_norm_"
-    del opt, params
+    opt = params = None  # noqa: F841 - released before the next optimizer is built
     gc.collect()
     return report
 

@@ -97,12 +97,16 @@ class TorchAlias:
     from_torch: Callable[[Any], tuple]
 
 
-def _pair(value) -> tuple[float, float]:
+def _pair(value) -> tuple[Any, Any]:
+    """The two elements of a pair, as given: each is validated under its own name afterwards (so
+    ``betas=("0.1", 0.999)`` is refused as ``beta1``, naming the value, like every hyperparameter)."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"must be a pair of numbers, got {_short(value)}")
     try:
         a, b = value
-        return float(a), float(b)
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError):
         raise ValueError(f"must be a pair of numbers, got {_short(value)}") from None
+    return a, b
 
 
 def _one_float(value) -> tuple[float]:

@@ -1,4 +1,4 @@
-"""Literal float64 NumPy transcriptions of the update rules in DESIGN.md §2.
+"""Literal float64 NumPy transcriptions of the update rules in docs/design.md §2.
 
 Each function takes the spec's inputs (``R``, ``T`` as numbers or 0-d arrays;
 tensors as lists of arrays, one entry per optimized tensor) and returns new
@@ -9,7 +9,8 @@ not structured like ``dml_optim.functional``: no fused ops, no coefficient
 helpers, no in-place updates.
 
 Sources: ONNX operator docs for ``ai.onnx.preview.training`` ``Adagrad-1``,
-``Momentum-1``, ``Adam-1``; Microsoft Learn ``DML_ADAM_OPTIMIZER_OPERATOR_DESC``.
+``Momentum-1``, ``Adam-1``; Microsoft Learn ``DML_ADAM_OPTIMIZER_OPERATOR_DESC``;
+the algorithm box of the ``torch.optim.AdamW`` documentation (Loshchilov & Hutter).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["onnx_adagrad", "onnx_momentum", "onnx_adam", "dml_adam"]
+__all__ = ["onnx_adagrad", "onnx_momentum", "onnx_adam", "dml_adam", "torch_adamw"]
 
 
 def _f64(a) -> np.ndarray:
@@ -177,3 +178,50 @@ def dml_adam(
     # X = X - LearningRate * Alpha * M / (sqrt(V) + Epsilon)
     X = X - LearningRate * Alpha * M / (np.sqrt(V) + Epsilon)
     return X, M, V
+
+
+def torch_adamw(
+    X: np.ndarray,
+    G: np.ndarray,
+    M: np.ndarray,
+    V: np.ndarray,
+    V_max: np.ndarray | None,
+    t,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """``torch.optim.AdamW`` on one tensor at step ``t`` (from 1): returns ``(X, M, V, V_max)``.
+
+    The documented algorithm, one line per line of its box; ``V_max`` is used
+    (and returned) only with ``amsgrad``.
+    """
+    X, G, M, V = _f64(X), _f64(G), _f64(M), _f64(V)
+    t = _t(t)
+    lr, beta1, beta2 = np.float64(lr), np.float64(beta1), np.float64(beta2)
+    eps, weight_decay = np.float64(eps), np.float64(weight_decay)
+    # if maximize: g_t = -grad else g_t = grad
+    g = -G if maximize else G
+    # theta_t = theta_{t-1} - gamma * lambda * theta_{t-1}
+    X = X - lr * weight_decay * X
+    # m_t = beta1 * m_{t-1} + (1 - beta1) * g_t
+    M = beta1 * M + (1 - beta1) * g
+    # v_t = beta2 * v_{t-1} + (1 - beta2) * g_t**2
+    V = beta2 * V + (1 - beta2) * g * g
+    # m_hat = m_t / (1 - beta1**t)
+    m_hat = M / (1 - beta1**t)
+    if amsgrad:
+        # v_max_t = max(v_max_{t-1}, v_t); v_hat = v_max_t / (1 - beta2**t)
+        V_max = np.maximum(_f64(V_max), V)
+        v_hat = V_max / (1 - beta2**t)
+    else:
+        # v_hat = v_t / (1 - beta2**t)
+        v_hat = V / (1 - beta2**t)
+    # theta_t = theta_t - gamma * m_hat / (sqrt(v_hat) + epsilon)
+    X = X - lr * m_hat / (np.sqrt(v_hat) + eps)
+    return X, M, V, (V_max if amsgrad else None)
