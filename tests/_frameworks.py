@@ -82,6 +82,15 @@ def reset_accelerate():
     GradientState._reset_state()
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """Use as ``pytestmark = pytest.mark.usefixtures("fresh_accelerate")`` (imported): accelerate's
+    singletons reset before and after each test of the module."""
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
 def params_of(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 

@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _frameworks import BY_ID, PAIR_IDS, PAIRS, Pair, amp_future_warnings, moved, need, params_of, reset_accelerate
+from _frameworks import fresh_accelerate  # noqa: F401 - the fixture, used through pytestmark
 from tolerances import TOL, TORCH_ADAM_FLOAT32
 
 import dml_optim
@@ -45,11 +46,7 @@ CLIP = 0.5
 EPOCHS = 2
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def _model():

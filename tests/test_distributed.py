@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _distributed import free_port, gloo_missing
 
 import dml_optim
 from dml_optim import toy
@@ -180,20 +180,6 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
 # -- the parent: spawn the job once per session -----------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_missing() -> str | None:
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return "torch.distributed is not available in this torch build"
-    if not dist.is_gloo_available():
-        return "torch.distributed has no gloo backend in this torch build"
-    return None
 
 
 if __name__ != "__main__":
@@ -206,7 +192,7 @@ if __name__ != "__main__":
         # importing torch.distributed.optim scripts functional optimizers (torch's own deprecation noise)
         pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning"),
     ]
-    _MISSING = _gloo_missing()
+    _MISSING = gloo_missing()
 
     def _run_job(out: Path) -> tuple[list[int], list[str]]:
         """Start the two workers on a free loopback port; their exit codes and logs."""
@@ -215,7 +201,7 @@ if __name__ != "__main__":
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-        port = _free_port()
+        port = free_port()
         logs = [out / f"worker{r}.log" for r in range(WORLD)]
         procs = []
         for r in range(WORLD):

@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from _distributed import free_port, gloo_missing
 
 import dml_optim
 
@@ -168,19 +168,9 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
 # -- the parent: run the job once per module --------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _missing() -> str | None:
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return "torch.distributed is not available in this torch build"
-    if not dist.is_gloo_available():
-        return "torch.distributed has no gloo backend in this torch build"
+    if gloo_missing():
+        return gloo_missing()
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError:
@@ -199,7 +189,7 @@ if __name__ != "__main__":
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-        port = _free_port()
+        port = free_port()
         logs = [out / f"worker{r}.log" for r in range(WORLD)]
         procs = []
         for r in range(WORLD):

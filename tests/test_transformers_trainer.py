@@ -28,6 +28,7 @@ import os
 import pytest
 import torch
 from _frameworks import BY_ID, Pair, moved, need, params_of, reset_accelerate
+from _frameworks import fresh_accelerate  # noqa: F401 - the fixture, used through pytestmark
 
 import dml_optim
 
@@ -39,7 +40,7 @@ if not transformers.utils.is_torch_available():  # transformers 5 disables its t
                 "(it disables its PyTorch support); transformers 4.x runs these tests there", allow_module_level=True)
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
 
-pytestmark = pytest.mark.slow  # about 1 s per Trainer run on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate")]  # slow: about 1 s per Trainer run on 2 cores
 
 STEPS = 6
 SAVE_AT = 3
@@ -47,11 +48,6 @@ LR = 1e-2
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
 
 
 def _model():

@@ -473,6 +473,7 @@ def test_astronomical_values_do_not_crash_messages():
     ({"a": [1]}, 'got {"a": [1]}'),        # a mapping: keys and values
     (np.bool_(True), "got <bool>"),        # numpy's bool is not an integer, like Python's
     (2**300, "= <a 301-bit integer> does not fit in UINT"),
+    ({(1, 2): 3}, "got {[...]: 3}"),            # a key is previewed at depth 0
 ])
 def test_malformed_messages_preview_the_value(value, shown):
     with pytest.raises(MalformedDescriptor) as info:
@@ -496,3 +497,46 @@ def test_alias_with_another_data_type_names_the_difference():
     report = validate(from_dict(mutated(BASE, **{"OutputParametersTensor.DataType": "FLOAT16"})))
     (alias,) = [v for v in report.violations if v.rule == "alias"]
     assert alias.message.endswith("in-place execution needs identical tensor descs (DataType FLOAT16 vs FLOAT32)")
+
+
+def test_alignment_beyond_uint32_names_the_c_type():
+    with pytest.raises(MalformedDescriptor, match=r"^InputParametersTensor\.GuaranteedBaseOffsetAlignment = 4294967296 "
+                                                 r"does not fit in UINT \(0\.\.4294967295\)$"):
+        from_dict(mutated(BASE, **{"InputParametersTensor.GuaranteedBaseOffsetAlignment": 2**32}))
+
+
+def test_long_size_lists_are_shortened_after_eight_entries():
+    report = validate(from_dict(mutated(BASE, **{"InputParametersTensor.Sizes": [1] * 8 + [1024]})))
+    (same,) = [v for v in report.violations if v.rule == "same-sizes" and v.field == "InputFirstMomentTensor.Sizes"]
+    assert same.message.endswith("differ from InputParametersTensor.Sizes = [1, 1, 1, 1, 1, 1, 1, 1, ...]")
+
+
+def test_alias_with_another_dimension_count_names_the_difference():
+    d = mutated(BASE, feature_level="4_0", **{"OutputParametersTensor.Sizes": [1, 1, 1, 1, 1024],
+                                              "OutputParametersTensor.DimensionCount": 5})
+    (alias,) = [v for v in validate(from_dict(d)).violations if v.rule == "alias"]
+    assert alias.message.endswith("in-place execution needs identical tensor descs (DimensionCount 5 vs 4)")
+
+
+def test_an_owned_input_aliased_by_two_outputs_is_reported_once():
+    d = mutated(BASE, **{"InputParametersTensor.Flags": "OWNED_BY_DML",
+                         "Bindings.OutputFirstMomentTensor.Buffer": "weights"})
+    report = validate(from_dict(d))
+    # two outputs share its range (an output overlap), the flag is one problem
+    assert [v.field for v in report.violations if v.rule == "flags"] == ["InputParametersTensor.Flags"]
+    assert [v.rule for v in report.violations if v.rule == "output-overlap"] == ["output-overlap"]
+
+
+def test_bindings_are_kept_in_struct_order_and_copied():
+    """``desc.bindings`` lists the bound tensors in struct order whatever the input order, and is the
+    descriptor's own mapping (changing the caller's dict afterwards changes nothing)."""
+    from dml_optim.dml.desc import TENSOR_NAMES
+
+    d = copy.deepcopy(BASE)
+    d["Bindings"] = dict(reversed(list(d["Bindings"].items())))
+    desc = from_dict(d)
+    assert list(desc.bindings) == list(TENSOR_NAMES)
+    raw = dict(reversed(list(desc.bindings.items())))
+    copied = desc.replace(bindings=raw)
+    raw.pop("GradientTensor")
+    assert list(copied.bindings) == list(TENSOR_NAMES)
