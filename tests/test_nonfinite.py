@@ -204,6 +204,21 @@ def test_skipped_first_step_with_zero_second_moment(case, kw):
     assert torch.equal(p.detach(), torch.ones(3))
 
 
+@pytest.mark.parametrize("name,hyper", [
+    ("adam", dict(epsilon=1.0)), ("dml-adam", dict(epsilon=1.0)), ("adagrad", dict(epsilon=1.0)),
+    ("momentum", dict(alpha=1.0, norm_coefficient=0.01)),
+], ids=["adam-epsilon-1", "dml-adam-epsilon-1", "adagrad-epsilon-1", "momentum-alpha-1"])
+def test_skip_gates_every_coefficient_when_one_already_has_its_no_op_value(name, hyper):
+    """A hyperparameter equal to its no-op value on a skipped step (epsilon 1, alpha 1) stays a number;
+    every later coefficient must still be gated (the step must still change nothing)."""
+    c = case_of(name)
+    ps, opt = build(c, nonfinite="skip", **hyper)
+    feed(ps, opt, grad_stream(1, c.dtype)[0])
+    before = _world_state(ps, opt)
+    feed(ps, opt, with_bad(grad_stream(1, c.dtype, seed=9)[0], which=1))
+    assert_same(before, _world_state(ps, opt))
+
+
 @pytest.mark.parametrize("which", [0, 2], ids=["inf-in-group-0", "inf-in-group-1"])
 def test_skip_is_one_decision_for_every_skip_buffer(which):
     """An inf in either group skips the other group's update too (a step is skipped as a whole;

@@ -7,6 +7,7 @@ Usage::
     python tools/mutation.py --groups amp steps   # some groups
     python tools/mutation.py --sample 0           # every mutant (about an hour per group on 2 cores)
     python tools/mutation.py --keep /tmp/mut      # keep the workspace (``mutmut show``/``browse`` there)
+    python tools/mutation.py --json r.json        # save the results; --reclassify r.json reports them again
 
 What it does, per group (``GROUPS``: the modules mutated and the fast tests
 that must catch them):
@@ -60,7 +61,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "amp": (("dml_optim/amp.py",), ("tests/test_loss_scaler.py",)),
     "functional": (("dml_optim/functional.py",),
                    ("tests/test_functional_torch.py", "tests/test_functional_errors.py",
-                    "tests/test_functional_properties.py", "tests/test_optimizers.py")),
+                    "tests/test_functional_properties.py", "tests/test_optimizers.py", "tests/test_audit.py")),
     "update": (("dml_optim/update.py",),
                ("tests/test_optimizers.py", "tests/test_nonfinite.py", "tests/test_loss_scaler.py",
                 "tests/test_kahan.py", "tests/test_backends.py", "tests/test_audit.py")),
@@ -78,6 +79,9 @@ DO_NOT_MUTATE = (r"^\s*raise\b", r"warnings\.warn\(", r"\.add_note\(", r"^__all_
 EQUIVALENT: list[tuple[str, str, str, str]] = [
     ("dml_optim/amp.py", "f32 = dict(dtype=torch.float32, device=device)", "f32 = dict(dtype=None, device=device)",
      "dtype=None is torch's default dtype, float32 (the tests never change it)"),
+    ("dml_optim/amp.py", "self._inv_scale: torch.Tensor | None = None", 'self._inv_scale: torch.Tensor | None = ""',
+     "a placeholder: _lazy_init sets it before any use (scale() runs it; step() and unscale_() refuse to run "
+     "before scale())"),
     ("dml_optim/amp.py", "growth_interval: int = 2000,", "growth_interval: int = 2001,",
      "a default value: torch.amp.GradScaler's; no test runs 2000 steps (the rule itself is tested with others)"),
     ("dml_optim/amp.py",
@@ -106,6 +110,26 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     ("dml_optim/dml/desc.py", 'if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):',
      'if isinstance(value, bool) or type(value).__name__ in ("XXbool_XX", "bool"):',
      "numpy >= 2 names its bool type 'bool' (the other name, tested with np.bool_); 'bool_' is numpy 1's"),
+    ("dml_optim/dml/desc.py", 'if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):',
+     'if isinstance(value, bool) or type(value).__name__ in ("BOOL_", "bool"):',
+     "numpy >= 2 names its bool type 'bool'; 'bool_' is numpy 1's"),
+    ("dml_optim/steps.py", 'self.classes: list[StepClass] = [StepClass(0, n, count, ("n", count))]',
+     'self.classes: list[StepClass] = [StepClass(0, n, count, ("XXnXX", count))]',
+     "as 'N': a new counter's key never meets another"),
+    ("dml_optim/steps.py", 'return ("h", self._next_id)', 'return ("XXhXX", self._next_id)',
+     "as 'H': any tag apart from 'n' keeps device identities apart from host counts"),
+    ("dml_optim/steps.py", "if last.tensor is None:", "if last.tensor is not None:",
+     "merged classes have equal keys, hence equal counts: either device counter holds the same value, and "
+     "a class whose count lives only on the device always has one"),
+    ("dml_optim/steps.py", "last.tensor = c.tensor", "last.tensor = None",
+     "a merged class with a host count rebuilds its device counter from the count (ensure_tensors); one whose "
+     "count lives only on the device comes from a split that gave every part a counter"),
+    ("dml_optim/steps.py", "pieces = sorted(((where[c.first], c) for c in self.classes), key=lambda t: t[0])",
+     "pieces = sorted(((where[c.first], c) for c in self.classes), key=None)",
+     "the first elements (new positions) are distinct: tuples sort by them alone"),
+    ("dml_optim/steps.py", "clones[flag] = c.tensor if not clones or c.tensor is None else c.tensor.clone()",
+     "clones[flag] = c.tensor if clones or c.tensor is None else c.tensor.clone()",
+     "the two parts get the original and a copy the other way round: equal values, one counter each"),
     ("dml_optim/update.py", "return t.to(compute_dtype, copy=True)", "return t.to(compute_dtype, copy=None)",
      "reached only to convert (another dtype: always a new tensor) or forced by Kahan, whose compute dtype "
      "is validated wider than the parameters: copy=True never decides"),
@@ -307,7 +331,7 @@ def _device_only(minus: list[str], plus: list[str]) -> bool:
 
 def _classify(module_of: str, minus, plus) -> str:
     for module, old, new, reason in EQUIVALENT:
-        if module_of.endswith(module) and minus == [old] and plus == [new]:
+        if (module_of.endswith(module) or module.endswith(module_of)) and minus == [old] and plus == [new]:
             return f"equivalent: {reason}"
     if _device_only(minus, plus):
         return "equivalent: a device argument made None is the CPU here (the cuda axis of the matrix kills it)"
@@ -369,6 +393,17 @@ def report(results: list[Result]) -> str:
     return "\n".join(out)
 
 
+def reclassify(path: Path) -> list[Result]:
+    """Results saved with ``--json``, classified again with the current ``EQUIVALENT`` (no re-run)."""
+    results = []
+    for d in json.loads(path.read_text()):
+        r = Result(d["group"], d["generated"], d["sampled"], d["status"],
+                   {k: (v[0], v[1], v[2]) for k, v in d["diffs"].items()})
+        r.kinds = {name: _classify(*r.diffs[name]) for name in r.diffs}
+        results.append(r)
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--groups", nargs="+", choices=sorted(GROUPS), default=list(GROUPS))
@@ -376,7 +411,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=12)
     ap.add_argument("--keep", type=Path, help="keep the workspaces under this folder")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--reclassify", type=Path, help="report the results of an earlier --json run again")
     args = ap.parse_args(argv)
+    if args.reclassify:
+        results = reclassify(args.reclassify)
+        print(report(results))
+        return 0
     results = []
     for group in args.groups:
         results.append(run_group(group, args.sample, args.seed, args.keep))
