@@ -540,3 +540,28 @@ def test_bindings_are_kept_in_struct_order_and_copied():
     copied = desc.replace(bindings=raw)
     raw.pop("GradientTensor")
     assert list(copied.bindings) == list(TENSOR_NAMES)
+
+
+def test_a_zero_size_binding_inside_another_range_overlaps_nothing():
+    """A binding of 0 bytes shares no byte with anything (it is only too small: binding-size)."""
+    d = mutated(BASE, **{"Bindings.InputFirstMomentTensor.Buffer": "weights", "Bindings.InputFirstMomentTensor.Offset": 16,
+                         "Bindings.InputFirstMomentTensor.Size": 0})
+    assert [(v.rule, v.field) for v in validate(from_dict(d)).violations] == [
+        ("binding-size", "Bindings.InputFirstMomentTensor.Size")]
+
+
+def test_a_negative_stride_names_its_field():
+    with pytest.raises(MalformedDescriptor, match=r"^InputParametersTensor\.Strides\[0\] = -1 does not fit in UINT"):
+        from_dict(mutated(BASE, **{"InputParametersTensor.Strides": [-1, 1, 1, 1]}))
+
+
+def test_alias_with_other_sizes_names_the_difference():
+    d = mutated(BASE, **{"OutputParametersTensor.Sizes": [1, 1, 2, 512]})
+    (alias,) = [v for v in validate(from_dict(d)).violations if v.rule == "alias"]
+    assert alias.message.endswith("in-place execution needs identical tensor descs (Sizes [1, 1, 2, 512] vs [1, 1, 1, 1024])")
+
+
+def test_dimension_count_message_gives_the_range_of_the_feature_level():
+    d = mutated(BASE, feature_level="4_0", **{"InputParametersTensor.Sizes": [1] * 9 + [1024]})
+    messages = [v.message for v in validate(from_dict(d)).violations if v.rule == "dimension-count"]
+    assert messages == ["InputParametersTensor.DimensionCount = 10; ADAM_OPTIMIZER at feature level 4_0 takes 1 to 8"]
