@@ -402,7 +402,7 @@ def report(results: list[Result]) -> str:
             f"{sum(k.startswith('equivalent') for k in kinds)} equivalent, {kinds.count('text')} message text; "
             f"score {r.killed}/{r.counted} = {100 * r.score:.1f}%")
         for name, kind in sorted(r.kinds.items()):
-            file, minus, plus = r.diffs[name]
+            _, minus, plus = r.diffs[name]
             out.append(f"  [{r.status[name]}, {kind}] {name}")
             out += [f"      - {line}" for line in minus] + [f"      + {line}" for line in plus]
         total_k += r.killed
