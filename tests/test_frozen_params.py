@@ -142,6 +142,15 @@ def _batches(n: int, d: int, dtype, seed: int = 2, batch: int = 8):
             for _ in range(n)]
 
 
+def _step_both(opt, topt, ps, ts, grads):
+    """One step of both optimizers with the same gradients; frozen parameters get none (as after backward)."""
+    for p, t, gr in zip(ps, ts, grads):
+        p.grad = gr.clone() if p.requires_grad else None
+        t.grad = gr.clone() if t.requires_grad else None
+    opt.step()
+    topt.step()
+
+
 def _train_step(model, opt, x, y, *, zero_to_none: bool = False):
     opt.zero_grad(set_to_none=zero_to_none) if zero_to_none else opt.zero_grad()
     _loss(model, x, y).backward()
@@ -282,11 +291,7 @@ def test_unfrozen_parameter_gets_fresh_state_and_others_keep_theirs():
     grads = [[torch.randn(5, 3, generator=g, dtype=torch.float64) for _ in ps] for _ in range(8)]
 
     def step(k):
-        for p, t, gr in zip(ps, ts, grads[k]):
-            p.grad = gr.clone() if p.requires_grad else None
-            t.grad = gr.clone() if t.requires_grad else None
-        opt.step()
-        topt.step()
+        _step_both(opt, topt, ps, ts, grads[k])
 
     for k in range(4):
         step(k)
@@ -583,11 +588,7 @@ def test_frozen_parameter_with_saved_state_keeps_it(source):
     frozen_state = {n: v.clone() for n, v in st[1].items()}
 
     def step(k):
-        for p, t, gr in zip(ps, ts, grads[k]):
-            p.grad = gr.clone() if p.requires_grad else None
-            t.grad = gr.clone() if t.requires_grad else None
-        opt.step()
-        topt.step()
+        _step_both(opt, topt, ps, ts, grads[k])
 
     for k in range(3, 6):
         step(k)
