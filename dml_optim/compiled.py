@@ -181,14 +181,37 @@ def kernel(key: tuple):
             fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, n_states, *tensors)
 
         raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
-        # inductor keeps a fused kernel's intermediates in float32 and skips casts to float16/bfloat16
-        # unless told to emulate them; Kahan summation reads back the rounded parameters, and every
-        # low-precision store should round as the eager rule does
-        options = {"emulate_precision_casts": True} if _emulates_casts() else None
+        options = _options(key[-1])
         fn = _torch_compile(raw, dynamic=True, options=options) if options else _torch_compile(raw, dynamic=True)
         fn._dml_code = raw.__code__
         _KERNELS[key] = fn
     return fn
+
+
+def _options(device: str) -> dict[str, bool] | None:
+    """Inductor options of a kernel for ``device`` (None: the defaults)."""
+    options = {}
+    # inductor keeps a fused kernel's intermediates in float32 and skips casts to float16/bfloat16
+    # unless told to emulate them; Kahan summation reads back the rounded parameters, and every
+    # low-precision store should round as the eager rule does
+    if _emulates_casts():
+        options["emulate_precision_casts"] = True
+    # A CPU kernel decides at compile time whether to run its loop on OpenMP threads, from the
+    # first call's length and torch.get_num_threads(); lengths are dynamic, so a kernel first
+    # compiled for a small buffer (or one thread, or found so in inductor's disk cache) would run
+    # every later buffer on one thread: resnet50's Momentum step took 27 ms instead of 18 on two
+    # cores.  With dynamic threads the loop is always parallel and OpenMP sizes it at run time.
+    if device.startswith("cpu") and _has_cpp_option("dynamic_threads"):
+        options["cpp.dynamic_threads"] = True
+    return options or None
+
+
+def _has_cpp_option(name: str) -> bool:
+    try:
+        import torch._inductor.config as config
+    except ImportError:  # pragma: no cover - builds without inductor
+        return False
+    return hasattr(getattr(config, "cpp", None), name)
 
 
 def _emulates_casts() -> bool:

@@ -352,6 +352,26 @@ def test_instances_epsilons_and_lengths_reuse_one_graph(no_fallback_warnings):
 
 @pytest.mark.slow
 @needs_compiler
+def test_a_cpu_kernel_first_compiled_for_a_small_buffer_still_runs_its_loop_on_threads(isolated_cache,
+                                                                                       no_fallback_warnings):
+    """Inductor decides at compile time, from the first call's length, whether a CPU loop runs on
+    OpenMP threads; lengths are dynamic, so without dynamic threads a kernel first compiled for 16
+    elements ran every later buffer (resnet50's 25M) on one core.  The code generated for a
+    16-element first call must hold a parallel loop."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    p = torch.nn.Parameter(torch.randn(16))
+    opt = dml_optim.Momentum([p], lr=0.1, alpha=0.9, beta=1.0, backend="compiled")
+    p.grad = torch.ones(16)
+    with inductor_config.patch(force_disable_caches=True):  # generate the code, do not load it
+        _, code = run_and_get_code(opt.step)
+    assert backends.resolved_backends(opt) == [["compiled"]]
+    assert code and all("#pragma omp parallel" in c for c in code), code
+
+
+@pytest.mark.slow
+@needs_compiler
 def test_compiled_float64_computes_its_coefficients_in_float64(no_fallback_warnings):
     """Each compiled float64 update equals the float64 reference's to float64 tolerance (rtol 1e-10):
     coefficients computed in float32 (``1 - beta**T`` cancels) are off by ~1e-8."""

@@ -96,6 +96,9 @@ def test_quick_benchmark_measures_every_row(tmp_path, monkeypatch, capsys):
     assert [m["pack_via"] for m in doc["memory"]] == ["auto", "device", "host"]
     resnet50 = benchmark.workload("resnet50").trainable_numel
     assert all(m["peak_ratio"] > 0 and m["trainable_bytes"] == 4 * resnet50 for m in doc["memory"])
+    # resnet50's largest tensors are layer4's 3x3 convolutions (512 x 512 x 3 x 3, above fc's 1000 x 2048):
+    # 9% of the model, so the CPU bound (1 + 0.09 + 0.05) stays under the 1.25 target
+    assert all(m["largest_share"] == 512 * 512 * 9 / resnet50 and m["limit"] == 1.25 for m in doc["memory"])
     if compile_ok:
         (inst,) = doc["instances"]
         assert len(inst["first_step_ms"]) == 12 and inst["ms_2nd"] > 0 and inst["ms_12th"] > 0
@@ -240,3 +243,16 @@ def test_default_output_is_under_the_working_directory_not_the_checkout():
 def test_default_output_folder_is_ignored_by_git():
     lines = (ROOT / ".gitignore").read_text().splitlines()
     assert "dml-optim-out/" in lines
+
+
+def test_the_cpu_construction_target_is_one_copy_plus_the_largest_tensor():
+    """On the CPU the pack holds one tensor twice at most: gpt2's token embedding (50257 x 768) is
+    31% of its 124,439,808 elements, so the CPU target is 1.36; a device keeps the 1.25 target, and
+    a CPU model of small tensors keeps it too."""
+    from dml_optim.benchmark.memory import memory_limit
+
+    share = 50257 * 768 / benchmark.workload("gpt2").trainable_numel
+    assert round(share, 4) == 0.3102
+    assert memory_limit(torch.device("cpu"), share) == 1.36
+    assert memory_limit(torch.device("cuda"), share) == 1.25
+    assert memory_limit(torch.device("cpu"), 0.08) == 1.25

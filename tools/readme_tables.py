@@ -210,8 +210,9 @@ def bench_section(cpu: dict, cuda: dict) -> str:
         _machine(cpu, SOURCES["cpu"]),
         _fill(f"Candidates are measured round-robin in one process, medians after warm-up; `{_command(cpu)}` "
                       "reproduces it (`--out bench/results/NAME.json` records a run there). The VM is shared: single "
-                      "figures vary between runs (about ±20% when it is quiet; with two threads, OpenMP kernels slowed "
-                      "several-fold whenever other work ran), so compare candidates within a run."),
+                      "figures vary between runs (the same pair's ratio moved by ±7% between quiet runs; with two threads, "
+                      "OpenMP kernels slow several-fold whenever other work runs), so compare candidates within a run, "
+                      "and read a target within a few percent of its line as a tie."),
         "",
         *_blocks(_speed_table(cpu, "cpu")),
         "Frozen parameters (LoRA: 16 frozen 512x512 Linear layers, each with a trainable rank-8 adapter; gradual",

@@ -17,11 +17,20 @@ parameters are made (no gradients yet, as before a first backward), then a
 trainable bytes: how many copies of the trainable parameters the device held
 at the peak (1.0: none beyond the parameters themselves); ``after_ratio`` the
 same after construction.  Frozen parameters are held before and after, and
-so are not counted.  The target for ``pack_via="auto"`` is at most 1.25.
+so are not counted.
+
+The target for ``pack_via="auto"``: at most 1.25 on a device (CUDA stages
+through host memory, so the device holds about one copy).  On the CPU the
+host *is* the device: packing copies one tensor at a time and frees its old
+storage right after, so the resident peak is one copy plus the largest
+tensor held twice for a moment (gpt2's token embedding is 31% of the model).
+There the target is ``1 + largest share + 0.05``; a regression to two full
+copies (2.0) fails it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
@@ -30,10 +39,19 @@ import torch
 from dml_optim.benchmark.common import free
 from dml_optim.benchmark.workloads import Workload, make_params, make_values
 
-__all__ = ["MEMORY_LIMIT", "PACK_MODES", "measure_memory"]
+__all__ = ["CPU_SLACK", "MEMORY_LIMIT", "PACK_MODES", "measure_memory", "memory_limit"]
 
 #: Target: the peak at construction with ``pack_via="auto"``, in trainable parameters' bytes.
 MEMORY_LIMIT = 1.25
+#: On the CPU: the largest tensor's share of the trainable bytes plus this, over one copy.
+CPU_SLACK = 0.05
+
+
+def memory_limit(device: torch.device, largest_share: float) -> float:
+    """The construction-peak target on ``device`` (see the module's docstring)."""
+    if device.type != "cpu":
+        return MEMORY_LIMIT
+    return max(MEMORY_LIMIT, round(1.0 + largest_share + CPU_SLACK, 2))
 PACK_MODES = ("auto", "device", "host")
 
 
@@ -81,7 +99,10 @@ def measure_memory(work: Workload, device: torch.device, dtype: torch.dtype, log
     from dml_optim.optimizers.registry import build
 
     meter = _Meter(device)
-    trainable = work.trainable_numel * torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    trainable = work.trainable_numel * size
+    largest_share = max(math.prod(s) for i, s in enumerate(work.shapes) if work.is_trainable(i)) * size / trainable
+    limit = memory_limit(device, largest_share)
     build("adam", [torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype))])  # loads the code first
     values = make_values(work, device, dtype, seed=0, scale=0.1)
     rows = []
@@ -92,7 +113,8 @@ def measure_memory(work: Workload, device: torch.device, dtype: torch.dtype, log
         opt = build("adam", params, pack_via=mode)
         peak, after = meter.peak(), meter.now()
         rows.append({
-            "workload": work.name, "device": device.type, "pack_via": mode, "limit": MEMORY_LIMIT,
+            "workload": work.name, "device": device.type, "pack_via": mode, "limit": limit,
+            "largest_share": largest_share,
             "counter": "max_memory_allocated" if device.type == "cuda" else "VmHWM (resident set)",
             "trainable_bytes": trainable, "before_bytes": before, "peak_bytes": peak, "after_bytes": after,
             "peak_ratio": (peak - before + trainable) / trainable, "after_ratio": (after - before + trainable) / trainable,
