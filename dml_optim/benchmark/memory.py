@@ -45,6 +45,7 @@ __all__ = ["CPU_SLACK", "MEMORY_LIMIT", "PACK_MODES", "measure_memory", "memory_
 MEMORY_LIMIT = 1.25
 #: On the CPU: the largest tensor's share of the trainable bytes plus this, over one copy.
 CPU_SLACK = 0.05
+PACK_MODES = ("auto", "device", "host")
 
 
 def memory_limit(device: torch.device, largest_share: float) -> float:
@@ -52,7 +53,6 @@ def memory_limit(device: torch.device, largest_share: float) -> float:
     if device.type != "cpu":
         return MEMORY_LIMIT
     return max(MEMORY_LIMIT, round(1.0 + largest_share + CPU_SLACK, 2))
-PACK_MODES = ("auto", "device", "host")
 
 
 class _Meter:

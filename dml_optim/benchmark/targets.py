@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from dml_optim.benchmark.memory import CPU_SLACK
+
 __all__ = ["check_targets", "speed_row", "reference"]
 
 #: CUDA: dml_optim (auto) >= 1.0x torch fused (wall) for these optimizers and workloads ...
@@ -85,7 +87,7 @@ def check_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             None if mine is None else mine["ms_per_step"], graph["auto_backend"])
     for row in doc.get("memory", []):
         if row["pack_via"] == "auto":
-            bound = (f"; one copy + the largest tensor ({row['largest_share']:.0%}) + 0.05"
+            bound = (f"; one copy + the largest tensor ({row['largest_share']:.0%}) + {CPU_SLACK:g}"
                      if row["device"] == "cpu" and "largest_share" in row else "")
             add(f"{row['workload']} construction peak <= {row['limit']:g}x trainable bytes (pack_via=auto, "
                 f"{row['counter']}{bound})", row["limit"], "<=", "x", row["peak_ratio"])
