@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _distributed import free_port, gloo_missing
+from _distributed import gloo_missing, run_job
 
 import dml_optim
 from dml_optim import toy
@@ -194,44 +194,12 @@ if __name__ != "__main__":
     ]
     _MISSING = gloo_missing()
 
-    def _run_job(out: Path) -> tuple[list[int], list[str]]:
-        """Start the two workers on a free loopback port; their exit codes and logs."""
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-        if sys.platform.startswith("linux"):
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-        port = free_port()
-        logs = [out / f"worker{r}.log" for r in range(WORLD)]
-        procs = []
-        for r in range(WORLD):
-            with open(logs[r], "w") as log:  # a file, not a pipe: a full pipe would block a rank
-                procs.append(subprocess.Popen(
-                    [sys.executable, __file__, "--worker", str(r), str(WORLD), str(port), str(out)],
-                    env=env, stdout=log, stderr=subprocess.STDOUT,
-                ))
-        try:
-            for p in procs:
-                p.wait(timeout=DIST_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"the distributed job did not finish in {DIST_TIMEOUT_S} s")
-        return [p.returncode for p in procs], [log.read_text() for log in logs]
-
     @pytest.fixture(scope="module")
     def job(tmp_path_factory):
         """Run the two-process job once; returns its output folder."""
         if _MISSING:
             pytest.skip(_MISSING)
-        out = tmp_path_factory.mktemp("distributed")
-        codes, logs = _run_job(out)
-        if codes != [0] * WORLD and any("address already in use" in log.lower() for log in logs):
-            codes, logs = _run_job(out)  # another process took the free port in between: once more
-        ok = codes == [0] * WORLD and all((out / f"done.rank{r}").exists() for r in range(WORLD))
-        assert ok, "worker failed:\n" + "\n".join(
-            f"--- rank {r} (exit {c})\n{log[-4000:]}" for r, (c, log) in enumerate(zip(codes, logs)))
-        return out
+        return run_job(__file__, WORLD, tmp_path_factory.mktemp("distributed"), DIST_TIMEOUT_S, "distributed")
 
     @pytest.fixture(scope="module")
     def single():
