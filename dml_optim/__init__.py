@@ -1,8 +1,9 @@
 """dml-optim: flat, in-place, DirectML-native training optimizers.
 
 ``Adam``, ``Adagrad`` and ``Momentum`` follow the ONNX ``ai.onnx.preview.training``
-operators; ``DmlAdam`` follows DirectML's ``ADAM_OPTIMIZER``; ``AdamW`` is
-``torch.optim.AdamW`` exactly.  Each packs a param group into one flat buffer
+operators; ``DmlAdam`` follows DirectML's ``ADAM_OPTIMIZER``; ``AdamW`` and ``SGD`` are
+``torch.optim.AdamW`` and ``torch.optim.SGD`` exactly (``Adagrad`` takes
+``torch.optim.Adagrad``'s signature too).  Each packs a param group into one flat buffer
 per (device, dtype) and updates it in place with a handful of DirectML-native
 ops per step.
 """
@@ -13,8 +14,8 @@ from dml_optim import functional
 from dml_optim.amp import DynamicLossScaler
 from dml_optim.clip import clip_grad_norm_
 from dml_optim.dml.device import device
-from dml_optim.optimizers import Adagrad, Adam, AdamW, DmlAdam, FlatOptimizer, Momentum
+from dml_optim.optimizers import SGD, Adagrad, Adam, AdamW, DmlAdam, FlatOptimizer, Momentum
 from dml_optim.optimizers.registry import OPTIMIZERS
 
-__all__ = ["Adam", "AdamW", "Adagrad", "Momentum", "DmlAdam", "FlatOptimizer", "DynamicLossScaler", "clip_grad_norm_",
+__all__ = ["Adam", "AdamW", "Adagrad", "Momentum", "SGD", "DmlAdam", "FlatOptimizer", "DynamicLossScaler", "clip_grad_norm_",
            "OPTIMIZERS", "functional", "device", "__version__"]

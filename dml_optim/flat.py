@@ -353,6 +353,11 @@ class FlatBuffer:
                    if g is not None and (g is not v or _storage(g) != home)]
         return Binding(None if all(active) else active, foreign, rebound)
 
+    def rebind_pointers(self) -> None:
+        """Record the parameters' current data pointers as the bound ones (after a copy re-pointed them)."""
+        if not self.staged:
+            self.ptrs = list(map(_DATA_PTR, self.params))
+
     def adopt_params(self, moved: Sequence[int]) -> None:
         """Copy re-bound parameters (same dtype, device and shape) back into the buffer and re-point them.
 

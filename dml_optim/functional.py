@@ -113,7 +113,9 @@ def check_hyperparameter(
     outside ``[low, high]`` (ends open where asked).
     """
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool:
+        if value.numel() != 1:  # torch.optim's type for "Tensor lr must be 1-element"
+            raise ValueError(f"Tensor {name} must be 1-element, got a tensor of shape {tuple(value.shape)}")
+        if value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must be a real number, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -332,13 +334,28 @@ def _add_ratio_(x: torch.Tensor, num: torch.Tensor, den: torch.Tensor, c: Scalar
     return x.addcdiv_(num, den, value=c)
 
 
-def _regularized(x: torch.Tensor, g: torch.Tensor, norm_coefficient: Scalar, scratch: torch.Tensor | None) -> torch.Tensor:
-    """``G_reg = norm_coefficient * X + G`` (``g`` itself when the coefficient is the number 0)."""
+def _regularized(x: torch.Tensor, g: torch.Tensor, norm_coefficient: Scalar, scratch: torch.Tensor | None,
+                 grad_sign: float = 1.0) -> torch.Tensor:
+    """``U`` with ``G_reg = grad_sign * U``: ``U = G + grad_sign * norm_coefficient * X``.
+
+    (``g`` itself when the coefficient is the number 0.)  ``grad_sign`` is -1
+    for torch's ``maximize``, which negates the gradient *before* the L2 term
+    is added: ``G_reg = -G + norm_coefficient * X = -(G - norm_coefficient * X)``;
+    negation is exact, so the callers fold the sign into their coefficients.
+    """
+    norm_coefficient = _signed(norm_coefficient, grad_sign)
     if not isinstance(norm_coefficient, torch.Tensor) and norm_coefficient == 0:
         return g
     if isinstance(norm_coefficient, torch.Tensor):
         return torch.mul(x, norm_coefficient, out=scratch).add_(g)
     return torch.add(g, x, alpha=norm_coefficient, out=scratch)
+
+
+def _signed(c: Scalar, sign: float) -> Scalar:
+    """``sign * c`` without an op when ``sign`` is 1 (``sign`` is a structural Python number: +1 or -1)."""
+    if sign == 1:
+        return c
+    return c.neg() if isinstance(c, torch.Tensor) else -c
 
 
 def adagrad_(
@@ -349,39 +366,50 @@ def adagrad_(
     rate: Scalar,
     epsilon: Scalar,
     norm_coefficient: Scalar = 0.0,
+    grad_sign: float = 1.0,
     scratch: torch.Tensor | None = None,
     scratch2: torch.Tensor | None = None,
 ) -> None:
     """ONNX Adagrad in place on ``x``/``h`` (``g`` is read only).
 
-    ``rate`` is ``adagrad_coefficients(...)["rate"]``.  Needs two scratch
-    tensors when ``norm_coefficient`` is nonzero (one otherwise).
+    ``rate`` is ``adagrad_coefficients(...)["rate"]``; ``grad_sign`` -1 is
+    torch's ``maximize`` (``G_reg = norm_coefficient * X - G``).  Needs two
+    scratch tensors when ``norm_coefficient`` is nonzero (one otherwise).
     """
-    g_reg = _regularized(x, g, norm_coefficient, scratch)
-    h.addcmul_(g_reg, g_reg)
-    den = _add_(torch.sqrt(h, out=scratch2 if g_reg is scratch else scratch), epsilon)
-    _add_ratio_(x, g_reg, den, -rate if not isinstance(rate, torch.Tensor) else rate.neg())
+    u = _regularized(x, g, norm_coefficient, scratch, grad_sign)  # G_reg = grad_sign * u
+    h.addcmul_(u, u)
+    den = _add_(torch.sqrt(h, out=scratch2 if u is scratch else scratch), epsilon)
+    _add_ratio_(x, u, den, _signed(rate.neg() if isinstance(rate, torch.Tensor) else -rate, grad_sign))
 
 
 def momentum_(
     x: torch.Tensor,
     g: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     *,
     lr: Scalar,
     grad_scale: Scalar,
     alpha: Scalar,
     nesterov: bool,
     norm_coefficient: Scalar = 0.0,
+    grad_sign: float = 1.0,
     scratch: torch.Tensor | None = None,
 ) -> None:
-    """ONNX Momentum in place on ``x``/``v``; ``grad_scale`` is ``beta`` or 1 at T = 0."""
-    g_reg = _regularized(x, g, norm_coefficient, scratch)
-    _scale_(v, alpha)
-    _axpy_(v, g_reg, grad_scale)
+    """ONNX Momentum in place on ``x``/``v``; ``grad_scale`` is ``beta`` or 1 at T = 0.
+
+    ``grad_sign`` -1 is torch's ``maximize`` (``G_reg = norm_coefficient * X - G``).
+    ``v`` None is SGD without momentum (torch.optim.SGD with ``momentum=0``
+    keeps no buffer): ``X = X - lr * G_reg``.
+    """
+    u = _regularized(x, g, norm_coefficient, scratch, grad_sign)  # G_reg = grad_sign * u
     neg_lr = lr.neg() if isinstance(lr, torch.Tensor) else -lr
+    if v is None:
+        _axpy_(x, u, _signed(neg_lr, grad_sign))
+        return
+    _scale_(v, alpha)
+    _axpy_(v, u, _signed(grad_scale, grad_sign))
     if nesterov:
-        _axpy_(x, g_reg, neg_lr)
+        _axpy_(x, u, _signed(neg_lr, grad_sign))
         _axpy_(x, v, neg_lr * alpha)
     else:
         _axpy_(x, v, neg_lr)
@@ -408,7 +436,7 @@ def adam_(
     """ONNX Adam (and DirectML ADAM_OPTIMIZER, and torch's AdamW) in place on ``x``/``v``/``h``::
 
         X = decay * X                                   (AdamW: 1 - lr * weight_decay)
-        G_reg = norm_coefficient * X + grad_sign * G    (grad_sign -1: maximize)
+        G_reg = norm_coefficient * X + grad_sign * G    (grad_sign -1: torch's maximize)
         V = alpha * V + (1 - alpha) * G_reg
         H = beta * H + (1 - beta) * G_reg * G_reg
         H_max = max(H_max, H)                           (AMSGrad, when h_max is given)
@@ -419,16 +447,15 @@ def adam_(
     ``adamw_coefficients``'s ``"step_size"`` (AdamW also sets ``epsilon`` and
     ``decay``).  The second-moment term uses ``(1 - beta)`` computed here, so
     with tensor ``alpha``/``beta`` the result stays exact for a no-op step
-    (``alpha = beta = 1``, ``step_size = 0``).  ``grad_sign`` must be 1 when
-    ``norm_coefficient`` is nonzero.  ``scratch2`` is needed only with a
+    (``alpha = beta = 1``, ``step_size = 0``).  ``scratch2`` is needed only with a
     nonzero ``norm_coefficient`` and a tensor ``beta`` (else allocated).
     """
     _scale_(x, decay)
-    g_reg = _regularized(x, g, norm_coefficient, scratch)
+    u = _regularized(x, g, norm_coefficient, scratch, grad_sign)  # G_reg = grad_sign * u
     _scale_(v, alpha)
-    _axpy_(v, g_reg, (1 - alpha) * grad_sign)
+    _axpy_(v, u, (1 - alpha) * grad_sign)
     _scale_(h, beta)
-    _add_square_(h, g_reg, 1 - beta, scratch if g_reg is not scratch else scratch2)
+    _add_square_(h, u, 1 - beta, scratch if u is not scratch else scratch2)
     if h_max is not None:
         h = torch.maximum(h_max, h, out=h_max)
     den = _add_(torch.sqrt(h, out=scratch), epsilon)

@@ -88,7 +88,12 @@ def _adamw_to_torch(h):
 
 
 def _adagrad_to_torch(h):
-    return dict(lr=h["lr"], lr_decay=h["decay_factor"], eps=h["epsilon"], weight_decay=h["norm_coefficient"])
+    return dict(lr=h["lr"], lr_decay=h["decay_factor"], eps=h["epsilon"], weight_decay=h["norm_coefficient"],
+                initial_accumulator_value=h.get("initial_accumulator_value", 0.0), maximize=h.get("maximize", False))
+
+
+def _sgd_to_torch(h):
+    return {k: h[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")}
 
 
 def _momentum_to_torch(h):
@@ -123,10 +128,23 @@ def _adamw_ref(h, k, x, g, s):
 
 
 def _adagrad_ref(h, k, x, g, s):
-    """ONNX Adagrad-1 at T = k (k completed steps)."""
+    """ONNX Adagrad-1 at T = k (k completed steps); with torch's ``maximize``, torch.optim.Adagrad's
+    documented algorithm at t = k + 1 (ONNX has no maximize)."""
+    if h.get("maximize", False):
+        xn, hh = ref.torch_adagrad(x, g, s[0], k + 1, lr=h["lr"], lr_decay=h["decay_factor"],
+                                   weight_decay=h["norm_coefficient"], eps=h["epsilon"], maximize=True)
+        return xn, [hh]
     (xn,), (hh,) = ref.onnx_adagrad(h["lr"], k, [x], [g], [s[0]], decay_factor=h["decay_factor"],
                                     epsilon=h["epsilon"], norm_coefficient=h["norm_coefficient"])
     return xn, [hh]
+
+
+def _sgd_ref(h, k, x, g, s):
+    """torch.optim.SGD's documented algorithm at t = k + 1."""
+    xn, b = ref.torch_sgd(x, g, s[0] if s else None, k + 1, lr=h["lr"], momentum=h["momentum"],
+                          dampening=h["dampening"], weight_decay=h["weight_decay"], nesterov=h["nesterov"],
+                          maximize=h["maximize"])
+    return xn, ([b] if b is not None else [])
 
 
 def _momentum_ref(h, k, x, g, s):
@@ -168,6 +186,10 @@ class Entry:
     torch_tolerance: Mapping[torch.dtype, dict] = field(default_factory=dict)
     #: extra states for some hyperparameters: (predicate, names)
     extra_states: tuple[tuple[Callable[[Mapping[str, Any]], bool], tuple[str, ...]], ...] = ()
+    #: hyperparameters under which the rule keeps no state at all (torch.optim.SGD without momentum)
+    stateless: Callable[[Mapping[str, Any]], bool] = lambda h: False
+    #: the value a fresh state starts at, by hyperparameters (torch.optim.Adagrad's initial_accumulator_value)
+    initial: Callable[[Mapping[str, Any]], float] = lambda h: 0.0
 
     @property
     def cls(self):
@@ -178,6 +200,8 @@ class Entry:
         return self.variants[0]
 
     def states_for(self, hyper: Mapping[str, Any]) -> tuple[str, ...]:
+        if self.stateless(hyper):
+            return ()
         return self.states + tuple(n for pred, names in self.extra_states if pred(hyper) for n in names)
 
     def twin_kwargs(self, hyper: Mapping[str, Any]) -> dict | None:
@@ -242,11 +266,18 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
         (
             Variant("adagrad", dict(lr=0.1, decay_factor=0.01, epsilon=1e-10, norm_coefficient=0.0),
                     dict(lr=0.05, decay_factor=0.0, epsilon=1e-6, norm_coefficient=0.02)),
+            # torch's keywords: maximize (with the L2 term, whose sign it does not flip) and the initial sum
+            Variant("adagrad-maximize",
+                    dict(lr=0.1, decay_factor=0.01, epsilon=1e-10, norm_coefficient=0.02, maximize=True,
+                         initial_accumulator_value=0.1),
+                    dict(lr=0.05, decay_factor=0.0, epsilon=1e-6, norm_coefficient=0.0, maximize=True,
+                         initial_accumulator_value=0.1)),
         ),
         torch.optim.Adagrad, _adagrad_to_torch, _adagrad_ref,
         (("lr", 0, None, False), ("decay_factor", 0, None, False), ("epsilon", 0, None, False),
-         ("norm_coefficient", 0, None, False)),
+         ("norm_coefficient", 0, None, False), ("initial_accumulator_value", 0, None, False)),
         ("sum",), "epsilon",
+        initial=lambda h: h.get("initial_accumulator_value", 0.0),
     ),
     Entry(
         "momentum", (F64, F32),
@@ -259,6 +290,26 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
         torch.optim.SGD, _momentum_to_torch, _momentum_ref,
         (("lr", 0, None, False), ("alpha", 0, 1, False), ("beta", 0, 1, False), ("norm_coefficient", 0, None, False)),
         ("momentum_buffer",), None,
+    ),
+    Entry(
+        "sgd", (F64, F32),
+        (
+            Variant("sgd-momentum",
+                    dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.0, nesterov=False, maximize=False),
+                    dict(lr=0.02, momentum=0.5, dampening=0.0, weight_decay=0.01, nesterov=False, maximize=False)),
+            Variant("sgd-nesterov-maximize",
+                    dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, maximize=True),
+                    dict(lr=0.02, momentum=0.7, dampening=0.0, weight_decay=0.0, nesterov=True, maximize=True)),
+            # no momentum: no buffer, and dampening is ignored (torch.optim.SGD)
+            Variant("sgd-plain",
+                    dict(lr=0.05, momentum=0.0, dampening=0.3, weight_decay=0.01, nesterov=False, maximize=False),
+                    dict(lr=0.02, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=True)),
+        ),
+        torch.optim.SGD, _sgd_to_torch, _sgd_ref,
+        (("lr", 0, None, False), ("momentum", 0, None, False), ("dampening", None, None, False),
+         ("weight_decay", 0, None, False)),
+        ("momentum_buffer",), None,
+        stateless=lambda h: h["momentum"] == 0,
     ),
 )}
 

@@ -227,7 +227,7 @@ def test_torch_equivalent_mapping_and_errors():
     with pytest.raises(TypeError, match="betas"):
         torch_equivalent("adam", p, betas=(0.9, 0.99))
     with pytest.raises(ValueError, match="name"):
-        build("sgd", p)
+        build("lion", p)
 
 
 # --------------------------------------------------------------------------

@@ -162,7 +162,8 @@ CASES = [
     Case("adagrad-epsilon-string", lambda: onnx_call("adagrad", epsilon="1e-8"), TypeError, ("epsilon", "'1e-8'")),
     Case("adam-epsilon-none", lambda: onnx_call("adam", epsilon=None), TypeError, ("epsilon", "None")),
     Case("momentum-norm-string", lambda: onnx_call("momentum", norm_coefficient="0"), TypeError, ("norm_coefficient",)),
-    Case("adam-alpha-vector", lambda: onnx_call("adam", alpha=torch.tensor([0.9, 0.9])), TypeError, ("alpha",)),
+    # a tensor of 2 elements is a ValueError, as torch.optim's "Tensor lr must be 1-element"
+    Case("adam-alpha-vector", lambda: onnx_call("adam", alpha=torch.tensor([0.9, 0.9])), ValueError, ("alpha",)),
     Case("dml-learning-rate-bool", lambda: dml_call(learning_rate=True), TypeError, ("learning_rate", "bool")),
     Case("dml-beta2-string", lambda: dml_call(beta2="0.999"), TypeError, ("beta2",)),
 ]

@@ -187,7 +187,7 @@ def test_second_moment_is_the_state_that_accumulates_g_squared(name):
     # v = b * v + (1 - b) * g * g (Adam family, b the named decay) or sum += g * g (Adagrad):
     # one step from zero state with g = 2 and b = 0.5 leaves 2 (or 4) in the named state
     state, decay = P.second_moment(name)
-    if name == "momentum":
+    if name in ("momentum", "sgd"):
         assert (state, decay) == (None, None)
         return
     p = torch.nn.Parameter(torch.ones(3))
@@ -201,7 +201,7 @@ def test_second_moment_is_the_state_that_accumulates_g_squared(name):
 def test_epsilon_name_is_what_keeps_a_zero_gradient_finite(name):
     # with zero gradient and zero state the update is 0 / (0 + epsilon): 0 with epsilon > 0, NaN with 0
     eps = P.epsilon_name(name)
-    if name == "momentum":
+    if name in ("momentum", "sgd"):
         assert eps is None
         return
     for value, finite in ((1e-8, True), (0.0, False)):

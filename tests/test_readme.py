@@ -240,9 +240,15 @@ def test_hyperparameter_passing_is_described_as_it_is():
     assert "must be passed by keyword" not in text
     assert "`lr` may be passed by position" in text and "every other hyperparameter is keyword-only" in text
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    for cls in (dml_optim.Adam, dml_optim.DmlAdam, dml_optim.Adagrad, dml_optim.Momentum):
+    for cls in (dml_optim.Adam, dml_optim.DmlAdam, dml_optim.Momentum):
         params = inspect.signature(cls).parameters.values()
         assert [p.name for p in params if p.kind in positional] == ["params", "lr"], cls
+    assert "`AdamW`, `SGD` and `Adagrad` take torch's signatures, positional order" in text
+    for cls in (dml_optim.AdamW, dml_optim.SGD, dml_optim.Adagrad):  # torch's positional order
+        twin = getattr(torch.optim, cls.__name__)
+        theirs = [p.name for p in inspect.signature(twin).parameters.values() if p.kind in positional]
+        ours = [p.name for p in inspect.signature(cls).parameters.values() if p.kind in positional]
+        assert ours == theirs, cls
     weight = torch.nn.Parameter(torch.zeros(2))
     assert dml_optim.Adam([weight], 1e-3).param_groups[0]["lr"] == 1e-3
     with pytest.raises(TypeError):

@@ -104,7 +104,7 @@ def test_train_adamw_against_torch_adamw_text_summary():
 def test_train_choices_are_the_registry_names():
     from dml_optim.optimizers.registry import NAMES
 
-    proc = subprocess.run([sys.executable, "-m", "dml_optim", "train", "--optimizer", "sgd"],
+    proc = subprocess.run([sys.executable, "-m", "dml_optim", "train", "--optimizer", "lion"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert f"choose from {', '.join(map(repr, NAMES))}" in proc.stderr and "'adamw'" in proc.stderr
@@ -240,7 +240,7 @@ def test_audit_is_reported_for_our_optimizer():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("optimizer", "sgd"), ("dtype", "bfloat16"), ("steps", 0), ("batch_size", -1), ("hidden", 1.5),
+    ("optimizer", "lion"), ("dtype", "bfloat16"), ("steps", 0), ("batch_size", -1), ("hidden", 1.5),
     ("seed", -1), ("lr", 0.0), ("lr", float("nan")), ("steps", True),
 ])
 def test_config_validation_names_the_field(field, value):

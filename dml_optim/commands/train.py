@@ -8,6 +8,7 @@ import math
 import sys
 
 from dml_optim import toy
+from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS
 from dml_optim.options import OPTION_NAMES
 from dml_optim.optimizers.registry import NAMES, spec
 from dml_optim.precision import epsilon_name
@@ -40,8 +41,8 @@ default learning rates: {', '.join(f'{name} {spec(name).train_lr:g}' for name in
 
 #: Group keys that describe the implementation, not the update rule (left out of the summary):
 #: our options (``master_weights`` and ``kahan`` are named when on) and torch.optim's flags.
-_NOT_MATH = (set(OPTION_NAMES) - {"master_weights", "kahan"}) | {
-    "maximize", "differentiable", "fused", "amsgrad", "decoupled_weight_decay", "initial_accumulator_value"}
+_NOT_MATH = (set(OPTION_NAMES) - {"master_weights", "kahan"}) | (set(IMPLEMENTATION_FLAGS) - {"foreach"}) | {
+    "maximize", "amsgrad", "initial_accumulator_value", "nesterov", "param_names"}
 _NAMED_WHEN_ON = ("master_weights", "kahan")
 
 
@@ -96,7 +97,8 @@ def add_parser(sub):
 
 def _hyper_text(result: RunResult) -> str:
     items = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-             for k, v in result.hyperparameters.items() if k not in _NOT_MATH and not (k in _NAMED_WHEN_ON and not v)]
+             for k, v in result.hyperparameters.items()
+             if k not in _NOT_MATH and not (k in _NAMED_WHEN_ON and not v) and not (k == "foreach" and v is None)]
     return f"{result.optimizer}({', '.join(items)})"
 
 

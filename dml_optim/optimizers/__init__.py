@@ -6,5 +6,6 @@ from dml_optim.optimizers.adamw import AdamW
 from dml_optim.optimizers.base import BufferInfo, FlatOptimizer
 from dml_optim.optimizers.dml_adam import DmlAdam
 from dml_optim.optimizers.momentum import Momentum
+from dml_optim.optimizers.sgd import SGD
 
-__all__ = ["Adam", "AdamW", "Adagrad", "Momentum", "DmlAdam", "FlatOptimizer", "BufferInfo"]
+__all__ = ["Adam", "AdamW", "Adagrad", "Momentum", "SGD", "DmlAdam", "FlatOptimizer", "BufferInfo"]

@@ -30,8 +30,12 @@ class Adagrad(FlatOptimizer):
 
     torch.optim names (accepted, and kept in param groups): ``lr_decay`` =
     ``decay_factor``, ``eps`` = ``epsilon``, ``weight_decay`` =
-    ``norm_coefficient``; with them this is ``torch.optim.Adagrad`` exactly
-    (state ``sum`` = ONNX ``H``).
+    ``norm_coefficient``; ``initial_accumulator_value`` (the value ``H``
+    starts at) and ``maximize`` (``G_reg = norm_coefficient * X - G``) are
+    torch's.  The constructor takes torch.optim.Adagrad's positional order
+    (``lr, lr_decay, weight_decay, initial_accumulator_value, eps, foreach``),
+    so this is a drop-in ``torch.optim.Adagrad`` (state ``sum`` = ONNX ``H``);
+    ``foreach``/``fused`` are accepted and change nothing.
 
     .. note:: The default ``epsilon`` is ``1e-10`` (torch's).  The ONNX
        operator page says 0 and the ONNX schema (``onnx/defs/training/defs.cc``)
@@ -48,11 +52,15 @@ class Adagrad(FlatOptimizer):
             Hyperparameter("decay_factor", 0.0, "learning-rate decay: r = R / (1 + T * decay_factor)", low=0.0),
             Hyperparameter("epsilon", 1e-10, "added to sqrt(H)", low=0.0),
             Hyperparameter("norm_coefficient", 0.0, "L2 coefficient added to the gradient", low=0.0),
+            Hyperparameter("initial_accumulator_value", 0.0, "the value H starts at (torch's name)", low=0.0),
+            Hyperparameter("maximize", False, "maximize the objective (torch's name)", kind="bool"),
         ),
         torch=TorchEquivalent(
             "Adagrad",
             aliases=(same_alias("lr_decay", "decay_factor"), same_alias("eps", "epsilon"),
                      same_alias("weight_decay", "norm_coefficient")),
+            same=("initial_accumulator_value", "maximize"),
+            flags=(),  # maximize is ours
         ),
         default_lr=1e-2,
         train_lr=3e-2,
@@ -63,11 +71,19 @@ class Adagrad(FlatOptimizer):
     zero_skips = ("decay_factor", "norm_coefficient")
     scratch_slots = 2
 
-    def __init__(self, params, lr: float = 1e-2, *, decay_factor: float = 0.0, epsilon: float = 1e-10,
-                 norm_coefficient: float = 0.0, lr_decay: float | None = None, eps: float | None = None,
-                 weight_decay: float | None = None, **options: "Unpack[OptimizerOptions]"):
-        super().__init__(params, dict(lr=lr, decay_factor=decay_factor, epsilon=epsilon, norm_coefficient=norm_coefficient),
-                         dict(lr_decay=lr_decay, eps=eps, weight_decay=weight_decay), options)
+    def __init__(self, params, lr: float = 1e-2, lr_decay: float | None = None, weight_decay: float | None = None,
+                 initial_accumulator_value: float = 0.0, eps: float | None = None, foreach: bool | None = None, *,
+                 maximize: bool = False, differentiable: bool = False, fused: bool | None = None,
+                 decay_factor: float = 0.0, epsilon: float = 1e-10, norm_coefficient: float = 0.0,
+                 **options: "Unpack[OptimizerOptions]"):
+        super().__init__(params, dict(lr=lr, decay_factor=decay_factor, epsilon=epsilon, norm_coefficient=norm_coefficient,
+                                      initial_accumulator_value=initial_accumulator_value, maximize=maximize),
+                         dict(lr_decay=lr_decay, eps=eps, weight_decay=weight_decay), options,
+                         dict(foreach=foreach, fused=fused, differentiable=differentiable))
+
+    @classmethod
+    def initial_state(cls, hyper, name: str) -> float:
+        return hyper["initial_accumulator_value"]
 
     @classmethod
     def scratch_count(cls, hyper, gated: bool) -> int:
@@ -75,7 +91,8 @@ class Adagrad(FlatOptimizer):
 
     @classmethod
     def constants(cls, hyper):
-        return {"epsilon": hyper["epsilon"], "norm_coefficient": hyper["norm_coefficient"]}
+        return {"epsilon": hyper["epsilon"], "norm_coefficient": hyper["norm_coefficient"],
+                "grad_sign": -1.0 if hyper["maximize"] else 1.0}
 
     @classmethod
     def coefficients(cls, hyper, T):

@@ -84,6 +84,7 @@ class Adam(FlatOptimizer):
             exact_when=(("epsilon", lambda h: h["epsilon"] == 0, "epsilon is placed differently; equal only at 0"),),
             nearest={"epsilon": "eps"},
             refused={"eps": _EPS_DIFFERS},
+            fixed={"decoupled_weight_decay": False},  # norm_coefficient is torch.optim.Adam's L2 weight_decay
         ),
         default_lr=1e-3,
         train_lr=3e-3,

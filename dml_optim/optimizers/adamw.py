@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 import dml_optim.functional as F
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, betas_alias
@@ -40,9 +42,9 @@ class AdamW(FlatOptimizer):
     before).  ``weight_decay=0`` is ``torch.optim.Adam`` exactly.  Changing
     the import is the whole migration: ``betas``, ``eps``, ``weight_decay``,
     ``amsgrad``, ``maximize`` and ``capturable`` mean what they mean in torch;
-    ``foreach`` and ``fused`` are accepted and change nothing (every step is
-    flat: one buffer per group, device and dtype); ``differentiable=True`` is
-    refused.  States are torch's (``exp_avg``, ``exp_avg_sq``,
+    ``foreach`` and ``fused`` are accepted, kept in the param groups as torch
+    keeps them, and change nothing (every step is flat: one buffer per group,
+    device and dtype); ``differentiable=True`` is refused.  States are torch's (``exp_avg``, ``exp_avg_sq``,
     ``max_exp_avg_sq``), so checkpoints move both ways between the two.
 
     The step (see :func:`dml_optim.functional.adamw_coefficients`) runs as at
@@ -68,6 +70,7 @@ class AdamW(FlatOptimizer):
             aliases=(betas_alias("beta1", "beta2"),),
             same=("eps", "weight_decay", "amsgrad", "maximize"),
             flags=(),  # amsgrad and maximize are ours; decoupled_weight_decay: see checkpoint_refusal
+            fixed={"decoupled_weight_decay": True},
         ),
         default_lr=1e-3,
         train_lr=3e-3,
@@ -84,15 +87,17 @@ class AdamW(FlatOptimizer):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, **options: "Unpack[OptimizerOptions]"):
-        if differentiable is not False:
-            raise TypeError(f"AdamW() got differentiable={differentiable!r}: dml_optim's steps are in place and "
-                            "not differentiable; use torch.optim.AdamW(differentiable=True) for that")
-        for name, value in (("foreach", foreach), ("fused", fused)):
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{name} must be None or a bool, got {value!r}")
+        if foreach and not capturable:  # torch.optim.Adam(W)'s own refusals, for drop-in parity (its foreach kernels)
+            if isinstance(lr, torch.Tensor):
+                raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True "
+                                 "(torch.optim.AdamW refuses it; pass a float lr or foreach=None)")
+            if isinstance(betas, (tuple, list)) and betas and isinstance(betas[0], torch.Tensor):
+                raise ValueError("betas[0] as a Tensor is not supported for capturable=False and foreach=True "
+                                 "(torch.optim.AdamW refuses it; pass float betas or foreach=None)")
         super().__init__(params, dict(lr=lr, beta1=0.9, beta2=0.999, eps=eps, weight_decay=weight_decay,
                                       amsgrad=amsgrad, maximize=maximize),
-                         dict(betas=betas), dict(options, capturable=capturable))
+                         dict(betas=betas), dict(options, capturable=capturable),
+                         dict(foreach=foreach, fused=fused, differentiable=differentiable))
 
     @classmethod
     def group_state_names(cls, hyper) -> tuple[str, ...]:

@@ -38,6 +38,7 @@ This class does the rest:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -47,7 +48,7 @@ from torch.optim import Optimizer
 from dml_optim.flat import describe_param
 from dml_optim.optimizers.engine import EngineMixin
 from dml_optim.optimizers.layout import GroupLayout, LayoutMixin
-from dml_optim.optimizers.spec import REQUIRED, OptimizerSpec, sync_group
+from dml_optim.optimizers.spec import REQUIRED, OptimizerSpec, agree, sync_group
 from dml_optim.options import (
     CHECK_MODES,
     LOW_PRECISION_DTYPES,
@@ -142,10 +143,15 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
         """The states a group with these hyperparameters keeps (AdamW's AMSGrad adds one)."""
         return cls.state_names
 
+    @classmethod
+    def initial_state(cls, hyper, name: str) -> float:
+        """The value a fresh state starts at (0; Adagrad's ``sum``: ``initial_accumulator_value``)."""
+        return 0.0
+
     # -- construction ---------------------------------------------------------------------------
 
     def __init__(self, params, hyperparameters: dict[str, Any], torch_names: dict[str, Any],
-                 options: "dict[str, Any]"):
+                 options: "dict[str, Any]", torch_flags: "dict[str, Any] | None" = None):
         cls = type(self)
         options = dict(options)
         self.atomic = check_flag("atomic", options.pop("atomic", False))
@@ -160,11 +166,15 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
                 raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}")
         group_options = {**OPTION_DEFAULTS, **options}
         check_options(group_options)
-        defaults = {**self._resolve_torch_names(hyperparameters, torch_names), **group_options}
+        flags = cls.spec.torch.implementation_flags()
+        flags.update(torch_flags or {})
+        defaults = {**self._resolve_torch_names(hyperparameters, torch_names), **flags, **group_options}
         cls.spec.check(defaults)
+        cls.spec.torch.check_implementation_flags(defaults)
         sync_group(cls.spec, defaults, None, "defaults")
         if isinstance(params, torch.Tensor):
-            raise TypeError("params must be an iterable of Tensors or dicts, got a Tensor")
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                            f"got a Tensor of shape {tuple(params.shape)}")
         if isinstance(params, (set, frozenset)):
             raise TypeError(f"params must be given as an ordered collection (a list), got a {type(params).__name__}")
         self._layout: list[GroupLayout] = []
@@ -188,11 +198,15 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
                 derived = alias.from_torch(value)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"{alias.torch} {exc}") from None
-            for name, v in zip(alias.ours, derived):
-                if hyper[name] != defaults.get(name) and hyper[name] != v:
-                    raise TypeError(f"{cls.__name__}() got {alias.torch}={value!r} and {name}={hyper[name]!r}, which "
-                                    f"disagree ({alias.torch} sets {name}={v!r}); pass one of the two")
-                hyper[name] = v
+            given = tuple(hyper[n] for n in alias.ours)
+            explicit = [n for n in alias.ours if hyper[n] != defaults.get(n)]
+            if explicit and not agree(alias, given, value, derived):
+                name = explicit[0]
+                v = derived[alias.ours.index(name)]
+                raise TypeError(f"{cls.__name__}() got {alias.torch}={value!r} and {name}={hyper[name]!r}, which "
+                                f"disagree ({alias.torch} sets {name}={v!r}); pass one of the two")
+            if not explicit:
+                hyper.update(zip(alias.ours, derived))
             hyper[alias.torch] = value
         return hyper
 
@@ -209,11 +223,12 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
             raise TypeError(f"params must be given as an ordered collection (a list), got a {type(params).__name__}")
         else:
             params = list(params) if params is not None else []
-        group["params"] = params
         gi = len(self.param_groups)
+        params = self._named(group, params, gi)
         for i, p in enumerate(params):
             self._check_param(p, i, gi)
-        self._check_duplicates(params, gi)
+        params = self._deduplicated(group, params, gi)
+        group["params"] = params
         where = f"param_groups[{gi}]"
         # torch names given in the dict win over our defaults; given under both names they must agree
         for alias in cls.spec.torch.aliases:
@@ -241,8 +256,10 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"{where} must be a Tensor, got {type(p).__name__}")
         if p.is_complex():
-            raise TypeError(f"{where} is complex ({p.dtype}); dml_optim refuses complex parameters: "
-                            "pass torch.view_as_real(p) parameters instead")
+            raise TypeError(f"{where} is complex ({p.dtype}); dml_optim refuses complex parameters (DirectML has "
+                            "no kernel for view_as_real/view_as_complex, so a complex parameter cannot be a view "
+                            "of a real flat buffer there): keep the parameter real with a trailing dimension of 2 "
+                            "and call torch.view_as_complex on it in forward() (README, \"Known limits\")")
         if p.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{where} must be floating point, got dtype {p.dtype}")
         if p.dtype not in type(self).dtypes:
@@ -261,21 +278,61 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
     def _dtype_hint(cls) -> str:
         return ""
 
-    def _check_duplicates(self, params: list, gi: int) -> None:
+    def _named(self, group: dict[str, Any], params: list, gi: int) -> list:
+        """Split ``(name, tensor)`` pairs (``model.named_parameters()``) into ``params`` and
+        ``group["param_names"]``, with torch.optim's rules (torch >= 2.6; accepted on any torch here):
+        all parameters of a group named or none, and all groups alike."""
+        where = f"params: param_groups[{gi}]"
+        if any(isinstance(p, tuple) for p in params):
+            bad = next((i for i, p in enumerate(params) if not (isinstance(p, tuple) and len(p) == 2)), None)
+            if bad is not None:
+                raise ValueError(f"{where}: all optimizer params should be with/without names. Some param names are "
+                                 f"missing (['params'][{bad}] is a {type(params[bad]).__name__}, others are "
+                                 "(name, tensor) pairs)")
+            names = [p[0] for p in params]
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError(f"{where}: parameter names must be strings, got {next(n for n in names if not isinstance(n, str))!r}")
+            group["param_names"] = names
+            params = [p[1] for p in params]
+        elif "param_names" in group:
+            names = group["param_names"]
+            if not isinstance(names, (list, tuple)) or len(names) != len(params) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"{where}: param_names must be a list of {len(params)} strings, got {names!r}")
+            group["param_names"] = list(names)
+        for other in self.param_groups:
+            if ("param_names" in group) != ("param_names" in other):
+                kind = "with names" if "param_names" in group else "without names"
+                raise ValueError(f"{where}: all optimizer param groups should be with/without names. cannot add "
+                                 f"param group {kind} to the optimizer")
+        return params
+
+    def _deduplicated(self, group: dict[str, Any], params: list, gi: int) -> list:
+        """``params`` without repeats, with a warning, as torch.optim warns (a flat buffer holds each
+        parameter once; torch keeps both entries and steps the parameter twice per step); a parameter
+        of another group is a ``ValueError``, as in torch.optim."""
         first: dict[int, int] = {}
+        keep = []
         for i, p in enumerate(params):
             if id(p) in first:
-                raise ValueError(f"params: param_groups[{gi}] lists the same parameter twice "
-                                 f"(['params'][{first[id(p)]}] and ['params'][{i}])")
+                warnings.warn(f"params: param_groups[{gi}] lists the same parameter twice (['params'][{first[id(p)]}] "
+                              f"and ['params'][{i}]): optimizer contains a parameter group with duplicate parameters; "
+                              "dml_optim keeps the first and drops the repeat", UserWarning, stacklevel=4)
+                continue
             first[id(p)] = i
+            keep.append(i)
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         for i, p in enumerate(params):
             if id(p) in seen:
-                raise ValueError(f"params: {describe_param(p, i, gi)} appears in more than one parameter group")
+                raise ValueError(f"params: some parameters appear in more than one parameter group "
+                                 f"({describe_param(p, i, gi)})")
+        if len(keep) < len(params) and "param_names" in group:
+            group["param_names"] = [group["param_names"][i] for i in keep]
+        return [params[i] for i in keep]
 
     def _check_group(self, group: dict[str, Any], gi: int) -> None:
         """Hyperparameters and options of ``group`` (in place), and the options against its parameters."""
         type(self).spec.check(group)
+        type(self).spec.torch.check_implementation_flags(group)
         check_options(group)
         if group["master_weights"] or group["kahan"]:
             option = "master_weights" if group["master_weights"] else "kahan"
@@ -442,7 +499,14 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
         """
         from dml_optim.optimizers.state_dict import save
 
-        return save(self)
+        for hook in self._hooks("_optimizer_state_dict_pre_hooks"):
+            hook(self)
+        state_dict = save(self)
+        for hook in self._hooks("_optimizer_state_dict_post_hooks"):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ours or of the torch.optim equivalent.
@@ -453,7 +517,62 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
         """
         from dml_optim.optimizers.state_dict import load
 
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # shallow, as torch.optim: a pre-hook may edit it
+        for hook in self._hooks("_optimizer_load_state_dict_pre_hooks"):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         load(self, state_dict)
+        for hook in self._hooks("_optimizer_load_state_dict_post_hooks"):
+            hook(self)
+
+    def _hooks(self, name: str) -> list[Callable]:
+        """torch.optim's registered hooks of one kind, in their order (``register_*_hook``, torch >= 2.1)."""
+        return list(getattr(self, name, {}).values())
+
+    # -- copying and pickling ------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but torch.optim's hooks (which torch.optim does not copy either).
+
+        torch.optim pickles only ``defaults``, ``state`` and ``param_groups``;
+        ours keeps every attribute (the flat buffers, step counts, ``atomic``,
+        ``checks``, ``pack_via``, ...), so ``copy.deepcopy`` and
+        ``torch.save``/``torch.load(weights_only=False)`` give a working optimizer.
+        A copy copies every flat buffer (parameters, gradients, states).
+        """
+        return {k: v for k, v in self.__dict__.items() if not (k.startswith("_optimizer_") and k.endswith("_hooks"))}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # torch.optim: empty hooks, the step wrapper
+        if "_layout" in state:
+            self._rebind_copy()
+
+    def _rebind_copy(self) -> None:
+        """After a copy: make each parameter a view of its (copied) flat buffer again.
+
+        ``copy.deepcopy`` of an ``nn.Parameter`` clones its values into a new
+        storage (``Parameter.__deepcopy__``), so the copied parameters are not
+        views of the copied buffer; their values are the truth and are copied
+        in.  Pickled parameters come back as views already (``torch.save``
+        keeps shared storages), and nothing is copied.
+        """
+        with torch.no_grad():
+            for layout in self._layout:
+                for flat in layout.buffers:
+                    if flat.staged:
+                        continue
+                    home = flat.data.untyped_storage().data_ptr()
+                    base = flat.data.storage_offset()
+                    for i, (p, view) in enumerate(zip(flat.params, flat.views(flat.data))):
+                        if (p.untyped_storage().data_ptr() == home and p.storage_offset() == base + flat.offsets[i]
+                                and p.is_contiguous() and p.shape == view.shape):
+                            continue
+                        if p.shape == view.shape and p.dtype == view.dtype and p.device == view.device:
+                            view.copy_(p.detach())
+                            p.data = view
+                    flat.rebind_pointers()
 
 
 

@@ -83,7 +83,8 @@ class EngineMixin:
         with torch.no_grad():
             for name in names:
                 if name not in flat.states:
-                    flat.states[name] = torch.zeros(flat.numel, dtype=sdtype, device=flat.device)
+                    flat.states[name] = torch.full((flat.numel,), type(self).initial_state(group, name), dtype=sdtype,
+                                                   device=flat.device)
             if group["master_weights"] and flat.master is None:
                 flat.master = flat.data.to(self._master_dtype(group, flat.dtype))
             if group["kahan"] and flat.kahan is None:

@@ -22,12 +22,14 @@ before the bias correction there, after it in torch) is listed in
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from dml_optim.functional import check_hyperparameter
 
-__all__ = ["Hyperparameter", "TorchAlias", "TorchEquivalent", "OptimizerSpec", "sync_group", "REQUIRED"]
+__all__ = ["Hyperparameter", "TorchAlias", "TorchEquivalent", "OptimizerSpec", "sync_group", "agree", "REQUIRED",
+           "IMPLEMENTATION_FLAGS"]
 
 
 class _Required:
@@ -97,16 +99,30 @@ class TorchAlias:
     from_torch: Callable[[Any], tuple]
 
 
-def _pair(value) -> tuple[Any, Any]:
+def _pair(value, names: tuple[str, str] = ("first", "second")) -> tuple[Any, Any]:
     """The two elements of a pair, as given: each is validated under its own name afterwards (so
-    ``betas=("0.1", 0.999)`` is refused as ``beta1``, naming the value, like every hyperparameter)."""
+    ``betas=("0.1", 0.999)`` is refused as ``beta1``, naming the value, like every hyperparameter).
+    One float and one Tensor is refused as torch.optim refuses it (``ValueError``)."""
     if isinstance(value, (str, bytes)):
         raise ValueError(f"must be a pair of numbers, got {_short(value)}")
     try:
         a, b = value
     except (TypeError, ValueError):
         raise ValueError(f"must be a pair of numbers, got {_short(value)}") from None
+    import torch
+
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        shown = " and ".join(f"{n}={_describe(v)}" for n, v in zip(names, (a, b)))
+        raise ValueError(f"must be either both floats or both Tensors (as in torch.optim), got {shown}")
     return a, b
+
+
+def _describe(value) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        return f"a tensor of shape {tuple(value.shape)}"
+    return _short(value)
 
 
 def _one_float(value) -> tuple[float]:
@@ -127,7 +143,7 @@ def _short(value, limit: int = 60) -> str:
 
 def betas_alias(first: str, second: str) -> TorchAlias:
     """torch's ``betas`` = ``(first, second)``."""
-    return TorchAlias("betas", (first, second), lambda a, b: (a, b), _pair)
+    return TorchAlias("betas", (first, second), lambda a, b: (a, b), lambda value: _pair(value, (first, second)))
 
 
 def same_alias(torch_name: str, ours: str) -> TorchAlias:
@@ -161,12 +177,60 @@ class TorchEquivalent:
     exact_when: tuple[tuple[str, Callable[[Mapping[str, Any]], bool], str], ...] = ()
     refused: Mapping[str, str] = field(default_factory=dict)
     flags: tuple[str, ...] = ("maximize", "amsgrad", "decoupled_weight_decay")
+    fixed: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def torch_class(self):
         import torch
 
         return getattr(torch.optim, self.class_name)
+
+    def implementation_flags(self) -> dict[str, Any]:
+        """torch's implementation keys of the twin (``foreach``, ``fused``, ``differentiable``,
+        ``decoupled_weight_decay``) as the *installed* torch's twin has them in its defaults, with
+        its default values (``fixed`` overrides: AdamW's ``decoupled_weight_decay`` is True)."""
+        flags = _twin_flags(self.class_name)
+        return dict(flags, **{k: v for k, v in self.fixed.items() if k in flags})
+
+    def check_implementation_flags(self, group: Mapping[str, Any]) -> None:
+        """Refuse implementation-flag values that would change the update (naming key and value).
+
+        ``foreach``/``fused``: None or a bool, accepted and without effect
+        (every step is flat); ``differentiable``: False (our steps are in place);
+        a ``fixed`` key: its value (``decoupled_weight_decay=False`` is
+        torch.optim.Adam's L2 rule, not AdamW's).
+        """
+        for key, default in self.implementation_flags().items():
+            if key not in group:
+                continue
+            value = group[key]
+            if key in ("foreach", "fused"):
+                if value is not None and not isinstance(value, bool):
+                    raise TypeError(f"{key} must be None or a bool, got {_short(value)}")
+            elif key == "differentiable":
+                if value is not False:
+                    raise TypeError(f"differentiable={_short(value)}: dml_optim's steps are in place and not "
+                                     f"differentiable; use torch.optim.{self.class_name}(differentiable=True) for that")
+            elif key in self.fixed and (isinstance(value, bool) != isinstance(default, bool) or value != default):
+                raise ValueError(f"{key}={_short(value)}: this optimizer implements torch.optim.{self.class_name}'s "
+                                 f"rule with {key}={default!r} only")
+
+
+#: torch.optim keys that select an implementation, not the update (and AdamW's flag for its rule).
+IMPLEMENTATION_FLAGS = ("foreach", "fused", "differentiable", "decoupled_weight_decay")
+_TWIN_FLAGS: dict[str, dict[str, Any]] = {}
+
+
+def _twin_flags(class_name: str) -> dict[str, Any]:
+    """The implementation keys of the installed ``torch.optim.<class_name>`` with their defaults
+    (read once from an instance: torch 2.4's AdamW has no ``decoupled_weight_decay``, 2.7's has)."""
+    flags = _TWIN_FLAGS.get(class_name)
+    if flags is None:
+        import torch
+
+        probe = getattr(torch.optim, class_name)([torch.zeros(1, requires_grad=True)], lr=0.0)
+        flags = _TWIN_FLAGS[class_name] = {k: probe.defaults[k] for k in IMPLEMENTATION_FLAGS if k in probe.defaults}
+    return flags
 
 
 @dataclass(frozen=True)
@@ -186,6 +250,8 @@ class OptimizerSpec:
     torch: TorchEquivalent
     default_lr: float | None
     train_lr: float
+    #: ``(predicate(group), message)``: conditions between hyperparameters (a ``ValueError`` otherwise)
+    constraints: tuple[tuple[Callable[[Mapping[str, Any]], bool], str], ...] = ()
 
     # -- hyperparameters ----------------------------------------------------------
 
@@ -208,6 +274,9 @@ class OptimizerSpec:
         """Check every hyperparameter of ``group`` and store it back as checked (floats stay floats)."""
         for h in self.hyperparameters:
             group[h.name] = h.check(group[h.name])
+        for holds, message in self.constraints:
+            if not holds(group):
+                raise ValueError(f"{message} (got {', '.join(f'{h.name}={group[h.name]!r}' for h in self.hyperparameters if h.name in message)})")
 
     # -- torch.optim names ------------------------------------------------------------
 
@@ -287,13 +356,19 @@ def sync_group(spec: OptimizerSpec, group: dict[str, Any], previous: Mapping[str
                 derived = tuple(spec.hyperparameter(n).check(v) for n, v in zip(alias.ours, derived))
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"{where}: {alias.torch}={theirs!r}: {exc}") from None
-            if ours_changed and _MISSING not in ours and not _same(derived, ours):
-                mine = ", ".join(f"{n}={v!r}" for n, v in zip(alias.ours, ours))
-                raise ValueError(
-                    f"{where}: {alias.torch}={theirs!r} and {mine} disagree "
-                    f"({alias.torch} means {', '.join(alias.ours)} = {', '.join(map(repr, derived))}); "
-                    "set one of the two names"
-                )
+            if ours_changed and _MISSING not in ours:
+                try:
+                    checked = tuple(spec.hyperparameter(n).check(v) for n, v in zip(alias.ours, ours))
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"{where}: {exc}") from None
+                if not agree(alias, checked, theirs, derived):
+                    mine = ", ".join(f"{n}={v!r}" for n, v in zip(alias.ours, ours))
+                    raise ValueError(
+                        f"{where}: {alias.torch}={theirs!r} and {mine} disagree "
+                        f"({alias.torch} means {', '.join(alias.ours)} = {', '.join(map(repr, derived))}); "
+                        "set one of the two names"
+                    )
+                derived = checked  # both given and consistent: each keeps the value it was given
             group.update(zip(alias.ours, derived))
             ours = derived
         elif _MISSING in ours:
@@ -315,6 +390,34 @@ class _Missing:
 
 
 _MISSING: Any = _Missing()
+
+
+def agree(alias: TorchAlias, ours: tuple, theirs, derived: tuple) -> bool:
+    """Whether our values ``ours`` and torch's ``theirs`` (read back as ``derived``) say the same thing.
+
+    Exact equality in either direction, or floats within a few units in the
+    last place of the values' scale (at least 1): converting through an
+    arithmetic alias is not exact in floating point (torch's ``dampening =
+    1 - beta`` read back gives ``1 - (1 - 0.1) = 0.09999999999999998``), and
+    a value given consistently under both names must not be refused for it.
+    """
+    if _same(derived, ours):
+        return True
+    try:
+        if _same(alias.to_torch(*ours), theirs):
+            return True
+    except (TypeError, ValueError):
+        pass
+    return len(derived) == len(ours) and all(_close(d, o) for d, o in zip(derived, ours))
+
+
+def _close(a, b) -> bool:
+    if _same(a, b):
+        return True
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return False
+    scale = max(1.0, abs(a), abs(b))
+    return abs(a - b) <= 4 * sys.float_info.epsilon * scale
 
 
 def _same(a, b) -> bool:

@@ -65,7 +65,7 @@ import torch
 
 from dml_optim.flat import FlatBuffer, is_distributed, local_tensor
 from dml_optim.options import BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, dtype_option
-from dml_optim.optimizers.spec import sync_group
+from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS, sync_group
 
 __all__ = ["save", "load", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES"]
 
@@ -89,8 +89,8 @@ def _as_param_layout(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def param_state(opt, flat: FlatBuffer, i: int, count: int) -> dict[str, Any]:
     """Parameter ``i`` of ``flat``'s state as torch.optim shows it (views of the flat buffers)."""
-    if not flat.states or count == 0:
-        return {}
+    if count == 0 or not (flat.states or flat.master is not None or flat.kahan is not None):
+        return {}  # (a rule without state, SGD without momentum, saves none, as torch.optim.SGD)
     p = flat.params[i]
     state: dict[str, Any] = {"step": torch.tensor(float(count), dtype=torch.float64)}  # exact to 2**53
     a, b = flat.segment(i, i + 1)
@@ -204,6 +204,13 @@ def _check_groups(opt, saved_groups, version: int):
             index_of[pid] = (gi, pi)
         updates = _group_updates(opt, group, saved, gi, version)
         candidate = dict(group, **updates)
+        if "param_names" in saved:  # as torch.optim: saved names replace ours; absent, ours stay
+            names = saved["param_names"]
+            if (not isinstance(names, (list, tuple)) or len(names) != len(ids)
+                    or not all(isinstance(n, str) for n in names)):
+                _fail(f"param_groups[{gi}]['param_names'] must be a list of {len(ids)} parameter names, got "
+                      f"{names!r}")
+            candidate["param_names"] = list(names)
         for key in OPTION_NAMES:  # the optimizer keeps its own precision and runtime options
             candidate[key] = group[key]
         for key, value in candidate.items():  # Python ints reach the kernels as floats (2**70 overflows int64)
@@ -225,7 +232,12 @@ def _group_updates(opt, group, saved: dict, gi: int, version: int) -> dict[str, 
     """The hyperparameters a saved group sets, in our names (and torch's, when it has them)."""
     spec = type(opt).spec
     if version >= 1:
-        updates = {k: v for k, v in saved.items() if k != "params"}
+        updates = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        # torch's implementation keys (foreach, fused, ...) differ between torch versions: a key this
+        # torch's twin does not have is dropped, not refused
+        for key in IMPLEMENTATION_FLAGS:
+            if key in updates and key not in group:
+                del updates[key]
         unknown = set(updates) - set(group) - SCHEDULER_KEYS
         if unknown:
             _fail(f"param_groups[{gi}] has unknown hyperparameters {sorted(map(str, unknown))}", KeyError)
@@ -351,7 +363,8 @@ def _stage(opt, new_groups, incoming) -> list[list[dict[str, Any]]]:
         for flat in opt._buffers_of(gi):
             sdtype = opt._state_dtype(candidate, flat.dtype)
             names = type(opt).group_state_names(candidate)
-            states = {name: torch.zeros(flat.numel, dtype=sdtype, device=flat.device) for name in names}
+            states = {name: torch.full((flat.numel,), type(opt).initial_state(candidate, name), dtype=sdtype,
+                                       device=flat.device) for name in names}
             master = flat.data.to(opt._master_dtype(candidate, flat.dtype), copy=True) if candidate["master_weights"] else None
             kahan = torch.zeros(flat.numel, dtype=flat.dtype, device=flat.device) if candidate["kahan"] else None
             extras = {"master_param": master, "kahan_comp": kahan}

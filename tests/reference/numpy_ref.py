@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["onnx_adagrad", "onnx_momentum", "onnx_adam", "dml_adam", "torch_adamw"]
+__all__ = ["onnx_adagrad", "onnx_momentum", "onnx_adam", "dml_adam", "torch_adamw", "torch_sgd", "torch_adagrad"]
 
 
 def _f64(a) -> np.ndarray:
@@ -225,3 +225,71 @@ def torch_adamw(
     # theta_t = theta_t - gamma * m_hat / (sqrt(v_hat) + epsilon)
     X = X - lr * m_hat / (np.sqrt(v_hat) + eps)
     return X, M, V, (V_max if amsgrad else None)
+
+
+def torch_sgd(
+    X: np.ndarray,
+    G: np.ndarray,
+    B: np.ndarray | None,
+    t,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``torch.optim.SGD`` on one tensor at step ``t`` (from 1): returns ``(X, B)``.
+
+    The documented algorithm, one line per line of its box (``B`` is the
+    momentum buffer, None without momentum).
+    """
+    X, G = _f64(X), _f64(G)
+    t = _t(t)
+    lr, momentum, dampening, weight_decay = map(np.float64, (lr, momentum, dampening, weight_decay))
+    # if maximize: g_t = -g_t  (the documented box negates g_t before the weight decay)
+    g = -G if maximize else G
+    # if lambda != 0: g_t = g_t + lambda * theta_{t-1}
+    g = g + weight_decay * X
+    if momentum != 0:
+        # if t > 1: b_t = mu * b_{t-1} + (1 - tau) * g_t  else: b_t = g_t
+        B = momentum * _f64(B) + (1 - dampening) * g if t > 1 else g
+        # if nesterov: g_t = g_t + mu * b_t  else: g_t = b_t
+        g = g + momentum * B if nesterov else B
+    else:
+        B = None
+    # theta_t = theta_{t-1} - gamma * g_t
+    return X - lr * g, B
+
+
+def torch_adagrad(
+    X: np.ndarray,
+    G: np.ndarray,
+    S: np.ndarray,
+    t,
+    *,
+    lr: float,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    eps: float = 1e-10,
+    maximize: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``torch.optim.Adagrad`` on one tensor at step ``t`` (from 1): returns ``(X, S)``.
+
+    The documented algorithm, one line per line of its box; ``S`` (the
+    ``sum`` state) starts at ``initial_accumulator_value``, the caller's.
+    """
+    X, G, S = _f64(X), _f64(G), _f64(S)
+    t = _t(t)
+    lr, lr_decay, weight_decay, eps = map(np.float64, (lr, lr_decay, weight_decay, eps))
+    # if maximize: g_t = -g_t
+    g = -G if maximize else G
+    # gamma~ = gamma / (1 + (t - 1) * eta)
+    clr = lr / (1 + (t - 1) * lr_decay)
+    # if lambda != 0: g_t = g_t + lambda * theta_{t-1}
+    g = g + weight_decay * X
+    # state_sum_t = state_sum_{t-1} + g_t^2
+    S = S + g * g
+    # theta_t = theta_{t-1} - gamma~ * g_t / (sqrt(state_sum_t) + epsilon)
+    return X - clr * g / (np.sqrt(S) + eps), S

@@ -1,0 +1,87 @@
+"""torch.optim.SGD, exactly, flat and in place: the ONNX Momentum rule with torch's signature."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import dml_optim.functional as F
+from dml_optim.optimizers.base import FlatOptimizer
+from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from dml_optim.options import OptimizerOptions
+
+__all__ = ["SGD"]
+
+
+class SGD(FlatOptimizer):
+    r"""``torch.optim.SGD``: the same signature, defaults and update, in two to five native ops.
+
+    With ``g = -G if maximize else G``, ``G_reg = g + weight_decay * X`` and
+    ``T`` = completed steps::
+
+        momentum == 0:  X = X - lr * G_reg                         (no state)
+        otherwise:      B = G_reg if T == 0 else momentum * B + (1 - dampening) * G_reg
+                        X = X - lr * (G_reg + momentum * B if nesterov else B)
+
+    This is ONNX ``Momentum-1`` (:class:`~dml_optim.Momentum`: ``alpha`` =
+    ``momentum``, ``beta`` = ``1 - dampening``, ``norm_coefficient`` =
+    ``weight_decay``), the same kernel (:func:`dml_optim.functional.momentum_`),
+    with torch's names, defaults (``lr=1e-3``, ``momentum=0``), ``maximize``, and
+    torch's rule that ``momentum=0`` keeps no buffer and ignores ``dampening``.
+    ``nesterov=True`` needs ``momentum > 0`` and ``dampening = 0``, as in torch.
+    ``foreach``/``fused`` are accepted and change nothing (every step is flat);
+    ``differentiable=True`` is refused.  The state is torch's ``momentum_buffer``,
+    so checkpoints move both ways between the two.
+    """
+
+    spec = OptimizerSpec(
+        name="sgd",
+        title="SGD (torch.optim.SGD)",
+        reference="torch.optim.SGD (= ONNX ai.onnx.preview.training Momentum-1 with torch's names)",
+        hyperparameters=(
+            Hyperparameter("lr", 1e-3, "learning rate", low=0.0),
+            Hyperparameter("momentum", 0.0, "momentum factor (0: no buffer)", low=0.0),
+            Hyperparameter("dampening", 0.0, "the gradient enters the buffer as (1 - dampening) * G"),
+            Hyperparameter("weight_decay", 0.0, "L2 coefficient added to the gradient", low=0.0),
+            Hyperparameter("nesterov", False, "Nesterov momentum", kind="bool"),
+            Hyperparameter("maximize", False, "maximize the objective", kind="bool"),
+        ),
+        torch=TorchEquivalent("SGD", same=("momentum", "dampening", "weight_decay", "nesterov", "maximize"), flags=()),
+        default_lr=1e-3,
+        train_lr=5e-2,
+        constraints=((lambda h: not h["nesterov"] or (h["momentum"] > 0 and h["dampening"] == 0),
+                      "Nesterov momentum requires a momentum and zero dampening (nesterov, momentum, dampening)"),),
+    )
+    state_names = ("momentum_buffer",)
+    step_offset = 0
+    skip_identity = {"lr": 0.0, "alpha": 1.0, "grad_scale": 0.0, "norm_coefficient": 0.0}
+    zero_skips = ("momentum", "weight_decay")
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
+                 **options: "Unpack[OptimizerOptions]"):
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov, maximize=maximize),
+                         {}, options, dict(foreach=foreach, fused=fused, differentiable=differentiable))
+
+    @classmethod
+    def group_state_names(cls, hyper) -> tuple[str, ...]:
+        return cls.state_names if hyper["momentum"] != 0 else ()
+
+    @classmethod
+    def constants(cls, hyper):
+        return {"alpha": hyper["momentum"], "norm_coefficient": hyper["weight_decay"], "nesterov": hyper["nesterov"],
+                "grad_sign": -1.0 if hyper["maximize"] else 1.0}
+
+    @classmethod
+    def coefficients(cls, hyper, T):
+        beta = 1.0 - hyper["dampening"] if hyper["momentum"] != 0 else 1.0  # torch ignores dampening without momentum
+        return F.momentum_coefficients(hyper["lr"], T, beta=beta)
+
+    @staticmethod
+    def rule(x, g, v=None, *, scratch, **scalars):
+        F.momentum_(x, g, v, scratch=scratch[0], **scalars)

@@ -1,0 +1,531 @@
+"""The rest of torch.optim's ``Optimizer`` contract, against torch.optim itself (issue 22).
+
+* torch's own test inputs (``torch.testing._internal.common_optimizers``:
+  ``optim_inputs_func`` and ``optim_error_inputs_func``) for every optimizer with
+  a torch twin: ``AdamW`` ↔ ``torch.optim.AdamW``, ``SGD`` ↔ ``torch.optim.SGD``,
+  ``Adagrad`` ↔ ``torch.optim.Adagrad``, unchanged, run against the twin;
+* ONNX Momentum's ``beta`` and torch's ``dampening`` for the betas that do not
+  survive ``1 - (1 - beta)`` in floating point;
+* ``copy.deepcopy`` and pickling (alone and with the model), stepped after the
+  copy, against the twin copied the same way;
+* the four state-dict hooks, in torch's order;
+* named parameters, duplicate parameters, torch's param-group keys, and
+  checkpoints moving between the two libraries without a warning.
+
+Tolerances are the arithmetic's: where the two libraries run the same float
+operations in the same order the result must be bit-identical (``EXACT``);
+where they do not, the bound says which operations differ and by how many
+units in the last place (each override's comment).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+
+import dml_optim
+from dml_optim.optimizers import registry
+from matrix import ENTRIES
+from tolerances import TOL
+
+common_optimizers = pytest.importorskip(
+    "torch.testing._internal.common_optimizers",
+    reason="torch's optim_db needs the expecttest package (pip install -e '.[test]' installs it)",
+)
+OptimizerErrorEnum = common_optimizers.OptimizerErrorEnum
+
+#: registry name of ours -> the torch.optim twin whose optim_db inputs it takes unchanged
+TWINS = {"adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
+EXACT = dict(rtol=0, atol=0)
+STEPS = 10
+
+
+def _optim_info(torch_name: str):
+    return next(i for i in common_optimizers.optim_db if i.optim_cls.__name__ == torch_name)
+
+
+def _params(dtype, seed=0):
+    """Mixed shapes, one of them non-contiguous (a transposed leaf), as torch's tests use."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(6, 5), (5,), (3, 2, 2), ()]
+    ps = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+    ps.append(torch.randn(4, 7, generator=gen, dtype=torch.float64).to(dtype).t())  # non-contiguous
+    return [torch.nn.Parameter(p) for p in ps]
+
+
+def _grads(params, step: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params]
+
+
+def _copy_kwargs(kwargs):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in kwargs.items()}
+
+
+def _inputs(torch_name: str, dtype):
+    info = _optim_info(torch_name)
+    return [pytest.param(torch_name, dtype, oi, id=f"{torch_name}-{str(dtype)[6:]}-{oi.desc.replace(' ', '_')}")
+            for oi in info.optim_inputs_func(device="cpu", dtype=dtype)]
+
+
+DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+OPTIM_INPUTS = [p for name in TWINS.values() for d in DTYPES for p in _inputs(name, d)]
+
+
+def _tolerance(torch_name: str, dtype, kwargs) -> dict:
+    """What the arithmetic allows between our flat step and torch's single-tensor one."""
+    if dtype == torch.bfloat16:
+        # every op rounds to bfloat16 (8 bits): where our op order differs from torch's (AdamW:
+        # epsilon scaled into the bias correction; Adagrad's weight decay into the regularized gradient)
+        # one rounding of 2**-8 relative can differ per step
+        return dict(rtol=STEPS * 2**-8, atol=STEPS * 2**-8)
+    if torch_name == "AdamW":
+        # step_size * V / (sqrt(H) + eps * c2) instead of torch's (lr / c1) * V / (sqrt(H) / c2 + eps):
+        # a few roundings per step in another order (docs/design.md §2: 1e-16 in float64, 1 ulp in float32)
+        eps = torch.finfo(dtype).eps
+        return dict(rtol=STEPS * 8 * eps, atol=STEPS * 8 * eps)
+    if torch_name == "SGD" and kwargs.get("nesterov"):
+        # torch adds G + momentum * B, then scales by lr; we add lr * G and lr * momentum * B: two
+        # roundings in another order per step
+        eps = torch.finfo(dtype).eps
+        return dict(rtol=STEPS * 4 * eps, atol=STEPS * 4 * eps)
+    return EXACT  # the same operations in the same order: bit-identical
+
+
+@pytest.mark.parametrize("torch_name, dtype, optim_input", OPTIM_INPUTS)
+def test_torch_optim_db_inputs_step_like_the_twin(torch_name, dtype, optim_input):
+    """Each of torch's own inputs, unchanged (per-group lr added as a second group), steps like torch."""
+    ours_cls = registry.get(next(k for k, v in TWINS.items() if v == torch_name))
+    theirs_cls = getattr(torch.optim, torch_name)
+    ours_p, ref_p = _params(dtype), _params(dtype)
+
+    def groups(ps):
+        return [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05}]
+
+    ours = ours_cls(groups(ours_p), **_copy_kwargs(optim_input.kwargs))
+    ref = theirs_cls(groups(ref_p), **_copy_kwargs(optim_input.kwargs))
+    tol = _tolerance(torch_name, dtype, optim_input.kwargs)
+    for step in range(STEPS):
+        for p, q, g in zip(ours_p, ref_p, _grads(ours_p, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p.detach(), q.detach(), **tol)
+    ours_state, ref_state = ours.state_dict()["state"], ref.state_dict()["state"]
+    assert sorted(ours_state) == sorted(ref_state)
+    for k, entry in ref_state.items():
+        for name, value in entry.items():
+            if name == "step":
+                assert float(ours_state[k][name]) == float(value)
+            else:
+                torch.testing.assert_close(ours_state[k][name], value, **tol)
+
+
+def _error_inputs(torch_name: str):
+    info = _optim_info(torch_name)
+    out = []
+    for e in info.optim_error_inputs_func(device="cpu", dtype=torch.float32):
+        oi = e.optimizer_error_input
+        out.append(pytest.param(torch_name, e, id=f"{torch_name}-{oi.desc.replace(' ', '_')}"))
+    return out
+
+
+ERROR_INPUTS = [p for name in TWINS.values() for p in _error_inputs(name)]
+
+
+def _raises_like(cls, error_input):
+    """Run ``error_input`` against ``cls`` as torch's test_errors does; return what was raised or warned."""
+    oi = error_input.optimizer_error_input
+    params = oi.params if oi.params is not None else [torch.nn.Parameter(torch.randn(2, 2))]
+    kwargs = _copy_kwargs(oi.kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt = cls(params, **kwargs)
+            if error_input.error_on == OptimizerErrorEnum.STEP_ERROR:
+                opt.step()
+        except Exception as exc:  # noqa: BLE001 - the type is what is compared
+            return type(exc), str(exc)
+    for w in caught:
+        if issubclass(w.category, error_input.error_type):
+            return w.category, str(w.message)
+    return None, ""
+
+
+@pytest.mark.parametrize("torch_name, error_input", ERROR_INPUTS)
+def test_torch_optim_db_error_inputs_raise_torchs_error_type(torch_name, error_input):
+    """Each of torch's error inputs raises (or warns) torch's type here too (our message may be clearer)."""
+    expected = error_input.error_type
+    theirs, _ = _raises_like(getattr(torch.optim, torch_name), error_input)
+    assert theirs is not None and issubclass(theirs, expected), "the input no longer errors in this torch"
+    ours_cls = registry.get(next(k for k, v in TWINS.items() if v == torch_name))
+    ours, message = _raises_like(ours_cls, error_input)
+    assert ours is not None and issubclass(ours, expected), f"got {ours}: {message}"
+
+
+# -- ONNX Momentum's beta and torch's dampening ------------------------------------------------------
+
+BETAS = (0.05, 0.1, 0.2, 0.3, 0.7, 1.0)
+
+
+def _run(make_ours, make_ref, dtype, steps=30):
+    ours_p, ref_p = _params(dtype), _params(dtype)
+    ours, ref = make_ours(ours_p), make_ref(ref_p)
+    for step in range(steps):
+        for p, q, g in zip(ours_p, ref_p, _grads(ours_p, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    return ours, ours_p, ref_p
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=str)
+@pytest.mark.parametrize("beta", BETAS)
+def test_momentum_beta_equals_sgd_dampening(beta, dtype):
+    """``Momentum(beta=b)`` constructs (no round-trip disagreement), shows ``dampening = 1 - b``, and steps
+    like ``SGD(dampening=1 - b)``; ``Momentum(dampening=d)`` is ``SGD(dampening=d)`` bit for bit."""
+    damp = 1.0 - beta
+    ours, ours_p, ref_p = _run(lambda ps: dml_optim.Momentum(ps, lr=0.01, alpha=0.9, beta=beta),
+                               lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=damp, foreach=False),
+                               dtype)
+    group = ours.param_groups[0]
+    assert group["beta"] == beta and group["dampening"] == damp  # both names, each as given or derived
+    # SGD's gradient factor is 1 - (1 - b), which differs from b by at most 2**-53 (one rounding of 1 - b;
+    # the subtraction from 1 is then exact): the buffer and the parameters drift apart by at most
+    # steps * 2**-53 / b relative (float32 rounds both factors to the same float)
+    bound = 30 * 2 * 2**-53 / beta if dtype == torch.float64 else 0.0
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=bound, atol=bound)
+    ours, ours_p, ref_p = _run(lambda ps: dml_optim.Momentum(ps, lr=0.01, alpha=0.9, dampening=damp),
+                               lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=damp, foreach=False),
+                               dtype)
+    assert ours.param_groups[0]["dampening"] == damp
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p.detach(), q.detach(), **EXACT)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_momentum_beta_and_dampening_given_together_agree(beta):
+    """Both names, consistent: kept as given; a scheduler writing either name later takes effect."""
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    opt = dml_optim.Momentum(p, lr=0.01, beta=beta, dampening=1.0 - beta)
+    assert opt.param_groups[0]["beta"] == beta and opt.param_groups[0]["dampening"] == 1.0 - beta
+    opt.param_groups[0]["dampening"] = 0.25
+    p[0].grad = torch.ones(3)
+    opt.step()
+    assert opt.param_groups[0]["beta"] == 0.75
+    with pytest.raises(TypeError, match="disagree"):
+        dml_optim.Momentum(p, lr=0.01, beta=0.6, dampening=0.5)
+
+
+# -- deepcopy and pickling ------------------------------------------------------------------------------
+
+
+def _twin_hyper(name):
+    """The matrix's default variant of ``name`` and its torch twin keywords (all have an exact twin)."""
+    e = ENTRIES[name]
+    v = next(v for v in e.variants if e.twin_kwargs(v.hyper) is not None)
+    return dict(v.hyper), e.twin_kwargs(v.hyper), e.torch_class
+
+
+def _dtype(name):
+    """The widest dtype of ``name`` in the matrix (DmlAdam: float32; DirectML has no float64)."""
+    return ENTRIES[name].dtypes[0]
+
+
+def _model(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
+
+
+def _train(model, opt, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    for _ in range(steps):
+        x = torch.randn(4, 5, generator=gen, dtype=torch.float64).to(dtype)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+COPIES = {
+    "deepcopy-together": lambda m, o: copy.deepcopy((m, o)),
+    "pickle-together": lambda m, o: _pickled((m, o)),
+}
+
+
+def _pickled(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_copied_with_its_model_steps_like_the_twin_copied_the_same_way(name, how):
+    hyper, twin_kwargs, torch_cls = _twin_hyper(name)
+    dtype = _dtype(name)
+    ours_m, ref_m = _model(dtype=dtype), _model(dtype=dtype)
+    ours = registry.build(name, ours_m.parameters(), atomic=True, checks="fast", **hyper)
+    ours.note = "kept"
+    ref = torch_cls(ref_m.parameters(), foreach=False, **twin_kwargs)
+    _train(ours_m, ours, 3, seed=1)
+    _train(ref_m, ref, 3, seed=1)
+    before = [p.detach().clone() for p in ours_m.parameters()]
+    before_state = copy.deepcopy(ours.state_dict())
+    (ours_m2, ours2), (ref_m2, ref2) = COPIES[how](ours_m, ours), COPIES[how](ref_m, ref)
+    assert (ours2.atomic, ours2.checks, ours2.pack_via, ours2.note) == (True, "fast", ours.pack_via, "kept")
+    _train(ours_m2, ours2, 4, seed=2)
+    _train(ref_m2, ref2, 4, seed=2)
+    for p, q in zip(ours_m2.parameters(), ref_m2.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), **TOL[dtype])
+    # the copy stepped its own parameters: the original's are untouched, and so is its state
+    for p, b in zip(ours_m.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    for k, entry in before_state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(ours.state_dict()["state"][k][key], value), (k, key)
+    # and the original still steps like the twin's original
+    _train(ours_m, ours, 2, seed=3)
+    _train(ref_m, ref, 2, seed=3)
+    for p, q in zip(ours_m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_copied_alone_steps_its_own_parameters_like_the_twin(name, how):
+    """``copy.deepcopy(opt)`` alone copies the parameters too (as torch.optim's does): the copy
+    steps the copies, the original and its parameters are untouched."""
+    hyper, twin_kwargs, torch_cls = _twin_hyper(name)
+    dtype = _dtype(name)
+    ours_m, ref_m = _model(dtype=dtype), _model(dtype=dtype)
+    ours = registry.build(name, ours_m.parameters(), **hyper)
+    ref = torch_cls(ref_m.parameters(), foreach=False, **twin_kwargs)
+    _train(ours_m, ours, 2, seed=1)
+    _train(ref_m, ref, 2, seed=1)
+    before = [p.detach().clone() for p in ours_m.parameters()]
+    dup = copy.deepcopy if how == "deepcopy" else _pickled
+    ours2, ref2 = dup(ours), dup(ref)
+    ours_ps = [p for g in ours2.param_groups for p in g["params"]]
+    ref_ps = [p for g in ref2.param_groups for p in g["params"]]
+    for step in range(3):
+        for p, q, g in zip(ours_ps, ref_ps, _grads(ours_ps, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours2.step()
+        ref2.step()
+    for p, q in zip(ours_ps, ref_ps):
+        torch.testing.assert_close(p.detach(), q.detach(), **TOL[dtype])
+    for p, b in zip(ours_m.parameters(), before):
+        assert torch.equal(p.detach(), b)
+
+
+# -- the four state-dict hooks ------------------------------------------------------------------------
+
+
+def _hook_log(opt, log):
+    opt.register_state_dict_pre_hook(lambda o: log.append("state_dict pre"))
+    opt.register_state_dict_pre_hook(lambda o: log.append("state_dict pre (prepended)"), prepend=True)
+
+    def post(o, sd):
+        log.append("state_dict post")
+        sd = dict(sd)
+        sd["param_groups"] = [dict(g, lr=0.125) for g in sd["param_groups"]]
+        return sd  # the hook's result is what state_dict() returns
+
+    opt.register_state_dict_post_hook(post)
+
+    def load_pre(o, sd):
+        log.append("load pre")
+        sd["param_groups"] = [dict(g, lr=0.25) for g in sd["param_groups"]]
+        return sd  # the hook's result is what gets loaded
+
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda o: log.append(f"load post lr={o.param_groups[0]['lr']}"))
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_the_four_state_dict_hooks_run_where_torch_runs_them(name):
+    hyper, twin_kwargs, torch_cls = _twin_hyper(name)
+    ours_m, ref_m = _model(dtype=_dtype(name)), _model(dtype=_dtype(name))
+    ours = registry.build(name, ours_m.parameters(), **hyper)
+    ref = torch_cls(ref_m.parameters(), foreach=False, **twin_kwargs)
+    logs = {}
+    for key, opt in (("ours", ours), ("torch", ref)):
+        log = logs[key] = []
+        _hook_log(opt, log)
+        sd = opt.state_dict()
+        assert sd["param_groups"][0]["lr"] == 0.125
+        opt.load_state_dict(sd)
+        assert opt.param_groups[0]["lr"] == 0.25
+    assert logs["ours"] == logs["torch"] == [
+        "state_dict pre (prepended)", "state_dict pre", "state_dict post", "load pre", "load post lr=0.25"]
+
+
+# -- named parameters, duplicates, torch's keys, checkpoints both ways -----------------------------------
+
+
+def _torch_takes_names() -> bool:
+    try:
+        torch.optim.SGD([("w", torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_named_parameters_are_taken_and_saved_like_torch(name):
+    hyper, twin_kwargs, torch_cls = _twin_hyper(name)
+    ours_m, ref_m = _model(), _model()
+    ours = registry.build(name, ours_m.named_parameters(), **hyper)
+    names = [n for n, _ in ours_m.named_parameters()]
+    assert ours.param_groups[0]["param_names"] == names
+    assert ours.param_groups[0]["params"] == list(ours_m.parameters())
+    _train(ours_m, ours, 2, seed=1)
+    sd = ours.state_dict()
+    assert sd["param_groups"][0]["param_names"] == names
+    if not _torch_takes_names():
+        pytest.skip(f"torch {torch.__version__} has no named parameters (torch >= 2.6): ours is checked above")
+    ref = torch_cls(ref_m.named_parameters(), foreach=False, **twin_kwargs)
+    _train(ref_m, ref, 2, seed=1)
+    assert ref.state_dict()["param_groups"][0]["param_names"] == names
+    for p, q in zip(ours_m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), **TOL[torch.float64])
+    # a named checkpoint loads into an unnamed optimizer and gives it the names, as torch's does
+    plain = registry.build(name, _model().parameters(), **hyper)
+    plain.load_state_dict(sd)
+    assert plain.param_groups[0]["param_names"] == names
+
+
+def test_a_parameter_listed_twice_in_a_group_warns_like_torch_and_is_kept_once():
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
+        opt = dml_optim.AdamW([p, q, p])
+    assert opt.param_groups[0]["params"] == [p, q]
+    with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
+        named = dml_optim.SGD([("a", p), ("b", q), ("a2", p)], lr=0.1)
+    assert named.param_groups[0]["param_names"] == ["a", "b"]
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_param_groups_and_defaults_carry_torchs_keys_with_torchs_values(name):
+    hyper, twin_kwargs, torch_cls = _twin_hyper(name)
+    ours = registry.build(name, _model().parameters(), **hyper)
+    ref = torch_cls(_model().parameters(), **twin_kwargs)
+    for key, value in ref.defaults.items():
+        assert key in ours.defaults and key in ours.param_groups[0], key
+        assert ours.defaults[key] == value, (key, ours.defaults[key], value)
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_checkpoints_load_in_either_library_without_a_warning(name):
+    hyper, twin_kwargs, torch_cls = _twin_hyper(name)
+    ours_m, ref_m = _model(), _model()
+    ours = registry.build(name, ours_m.parameters(), **hyper)
+    ref = torch_cls(ref_m.parameters(), foreach=False, **twin_kwargs)
+    _train(ours_m, ours, 3, seed=1)
+    _train(ref_m, ref, 3, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        into_torch = torch_cls(_model().parameters(), foreach=False, **twin_kwargs)
+        into_torch.load_state_dict(_pickled(ours.state_dict()))
+        into_ours = registry.build(name, _model().parameters(), **hyper)
+        into_ours.load_state_dict(_pickled(ref.state_dict()))
+    for a, b in ((into_torch, ref), (into_ours, ours)):
+        sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+        for k in sb:
+            for key in sb[k]:
+                if key in sa[k] and key != "step":
+                    torch.testing.assert_close(sa[k][key], sb[k][key], **TOL[torch.float64])
+
+
+def test_foreach_fused_are_kept_and_differentiable_and_the_rule_flag_refused():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    opt = dml_optim.AdamW(p, foreach=True, fused=False)
+    assert (opt.param_groups[0]["foreach"], opt.param_groups[0]["fused"]) == (True, False)
+    with pytest.raises(TypeError, match="differentiable=True"):
+        dml_optim.SGD(p, differentiable=True)
+    if "decoupled_weight_decay" in opt.defaults:
+        opt.param_groups[0]["decoupled_weight_decay"] = False
+        p[0].grad = torch.ones(2)
+        with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+            opt.step()
+
+
+def test_complex_parameters_are_refused_with_the_reason():
+    """Chosen: refused (docs/design.md §5): DirectML has no view_as_real/view_as_complex kernel, so a
+    complex parameter cannot be a view of a real flat buffer there; the message says what to do."""
+    p = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    for cls in (dml_optim.AdamW, dml_optim.SGD, dml_optim.Adagrad):
+        with pytest.raises(TypeError, match=r"complex.*view_as_real.*torch\.view_as_complex"):
+            cls([p], lr=0.1)
+
+
+def test_nesterov_needs_momentum_and_zero_dampening_as_in_torch():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    for kw in (dict(nesterov=True), dict(nesterov=True, momentum=0.9, dampening=0.1)):
+        with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
+            dml_optim.SGD(p, lr=0.1, **kw)
+        with pytest.raises(ValueError):
+            torch.optim.SGD(p, lr=0.1, **kw)
+
+
+def test_sgd_defaults_are_torchs():
+    import inspect
+
+    ours = {k: v.default for k, v in inspect.signature(dml_optim.SGD).parameters.items()
+            if v.default is not inspect.Parameter.empty}
+    theirs = {k: v.default for k, v in inspect.signature(torch.optim.SGD).parameters.items()
+              if v.default is not inspect.Parameter.empty}
+    for key, value in theirs.items():
+        if key == "lr" and not isinstance(value, float):
+            continue  # very old torch: lr required
+        assert key in ours and ours[key] == value and math.isclose(float(ours[key] or 0), float(value or 0)), key
+
+
+_AWKWARD = (0.0, 0.05, 0.1, 0.2, 0.3, 0.7, 0.9, 0.95, 0.999, 1.0, 1e-3, 3e-8)
+
+
+def _valid(h):
+    out = []
+    for v in _AWKWARD:
+        try:
+            out.append(h.check(v))
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_every_torch_alias_takes_every_valid_value_under_both_names(name):
+    """The audit of issue 22, item 1, as a test: for every alias (``betas``, ``dampening``, ``lr_decay``,
+    ``eps``, ``weight_decay``, ``momentum``, ``nesterov``), values whose conversion is not exact in
+    floating point are taken under our name, under torch's, and under both, and a step with the
+    torch name written back as read changes nothing of ours."""
+    cls = registry.get(name)
+    dtype = _dtype(name)
+    for alias in cls.spec.torch.aliases:
+        hs = [cls.spec.hyperparameter(n) for n in alias.ours]
+        if any(h.kind != "float" for h in hs):
+            continue
+        for v in _valid(hs[0]):
+            ours = dict.fromkeys(alias.ours, v) if len(hs) == 1 else {alias.ours[0]: v, alias.ours[1]: _valid(hs[1])[-1]}
+            hyper = {"lr": 0.01, **ours}
+            p = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+            opt = registry.build(name, [p], **hyper)
+            group = opt.param_groups[0]
+            theirs = group[alias.torch]
+            assert all(group[n] == ours[n] for n in alias.ours), (alias.torch, v)
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=dtype))], alias.torch: theirs,
+                                 **ours})  # both names, consistent: accepted
+            group[alias.torch] = theirs  # a scheduler writing back what it read
+            p.grad = torch.ones(3, dtype=dtype)
+            opt.step()
+            assert all(group[n] == ours[n] for n in alias.ours), (alias.torch, v)
