@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch
 
+from dml_optim.quant import QuantizedState, warm_tables
 from dml_optim.update import coefficient_dtype, fused_step
 
 __all__ = [
@@ -154,10 +155,11 @@ def compile_available(device_type: str) -> tuple[bool, str]:
 
 
 def _key_name(key: tuple) -> str:
-    cls, structure, names, cdtype, gated, has_out, has_comp, n_states, dtypes, device = key
+    cls, structure, names, cdtype, gated, has_out, has_comp, n_states, storage, device = key
     parts = [cls.__name__, str(cdtype).replace("torch.", ""), device.replace(":", "")]
     parts += [f"{k}_{v}" for k, v in structure]
     parts += ["gated"] * gated + ["master"] * has_out + ["kahan"] * has_comp
+    parts += [s for s in storage if isinstance(s, str)]
     return "_".join(p.replace(".", "_").replace("-", "_") for p in parts)
 
 
@@ -174,11 +176,13 @@ def kernel(key: tuple):
     """The compiled callable of one kernel key (see :class:`KernelRunner` for the key's fields)."""
     fn = _KERNELS.get(key)
     if fn is None:
-        cls, structure, names, cdtype, gated, has_out, has_comp, n_states, _, _ = key
+        cls, structure, names, cdtype, gated, has_out, has_comp, n_states, storage, _ = key
         structure_dict = dict(structure)
+        formats = tuple(s if isinstance(s, str) else None for s in storage[2 : 2 + n_states])
+        has_valid = storage[-1] is True
 
         def step(*tensors):
-            fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, n_states, *tensors)
+            fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, formats, has_valid, *tensors)
 
         raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
         options = _options(key[-1])
@@ -309,12 +313,15 @@ class KernelRunner:
                 structure.append((h.name, value))
             else:
                 names.append(h.name)
-        cdtype = opt._compute_dtype(group, flat.dtype)
+        cdtype = opt._compute_dtype(group, flat.dtype, flat.bits)
         x = flat.master if flat.master is not None else flat.data
-        dtypes = (x.dtype, flat.dtype) + tuple(s.dtype for s in flat.states.values())
-        n_states = len(cls.group_state_names(group))
+        states = [flat.states.get(n) for n in cls.group_state_names(group)]
+        # how each operand is stored: a dtype, or a quantized format's name; then whether padding is masked
+        storage = (x.dtype, flat.dtype) + tuple(s.format.name if isinstance(s, QuantizedState) else
+                                                (s.dtype if s is not None else None) for s in states)
+        storage += (flat.valid is not None,)
         return (cls, tuple(structure), tuple(names), cdtype, False, flat.master is not None, flat.kahan is not None,
-                n_states, dtypes, str(flat.device))
+                len(states), storage, str(flat.device))
 
     def _hyper(self, flat, names, group, dtype) -> list[torch.Tensor]:
         slots = self._slots.get(flat)
@@ -355,11 +362,20 @@ class KernelRunner:
         whole = start == 0 and end == flat.numel
         cut = (lambda t: t) if whole else (lambda t: t[start:end])
         x = flat.master if flat.master is not None else flat.data
-        args = [cut(x), cut(flat.grad)] + [cut(flat.states[n]) for n in cls.group_state_names(group)]
+        args = [cut(x), cut(flat.grad)]
+        for n in cls.group_state_names(group):
+            state = cut(flat.states[n])
+            if isinstance(state, QuantizedState):
+                warm_tables(state.format, key[3], flat.device)
+                args += state.tensors()
+            else:
+                args.append(state)
         if flat.master is not None:
             args.append(cut(flat.data))
         if flat.kahan is not None:
             args.append(cut(flat.kahan))
+        if flat.valid is not None:
+            args.append(flat.block_valid(start, end))
         args.append(c.tensor)
         if finite is not None:
             args.append(finite)

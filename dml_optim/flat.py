@@ -41,6 +41,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from dml_optim.quant import BLOCK, QuantizedState, block_mask
 from dml_optim.steps import StepCounter
 
 __all__ = [
@@ -51,6 +52,8 @@ __all__ = [
     "local_tensor",
     "is_distributed",
     "pack_values",
+    "param_piece",
+    "store_param_piece",
 ]
 
 _GRAD = operator.attrgetter("grad")
@@ -101,8 +104,12 @@ def describe_param(p: torch.Tensor, index: int, group_index: int) -> str:
 
 
 def pack_values(sources: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, device: torch.device,
-                via_host: bool, rebind: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                via_host: bool, rebind: Sequence[torch.Tensor] | None = None,
+                offsets: Sequence[int] | None = None) -> torch.Tensor:
     """A new flat tensor holding ``sources`` (flattened, cast to ``dtype``) back to back.
+
+    ``offsets``: where each source starts (an aligned layout, :class:`FlatBuffer`'s
+    ``align``); the gaps between sources are zero-filled.
 
     ``rebind``: tensors whose ``.data`` is re-pointed at their slice as soon
     as it is filled, so their old storage is released while packing goes on
@@ -129,12 +136,17 @@ def pack_values(sources: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
             offset = 0
             for i, s in enumerate(sources):
                 n = s.numel()
-                view = flat[offset : offset + n]
+                start = offsets[i] if offsets is not None else offset
+                if start > offset:
+                    flat[offset:start].zero_()  # padding of an aligned layout
+                view = flat[start : start + n]
                 view.copy_(s.detach().reshape(-1))
                 if rebind is not None:
                     rebind[i].data = view.view(rebind[i].shape)
                     packed = i + 1
-                offset += n
+                offset = start + n
+            if offset < numel:
+                flat[offset:].zero_()
             return flat
     except BaseException:
         if rebind is not None:
@@ -169,14 +181,20 @@ class FlatBuffer:
     Attributes:
         params: the packed parameters, in buffer order.
         indices: each parameter's index in its param group's ``params`` list.
-        offsets: element offset of each parameter; ``offsets[-1]`` is the total.
+        offsets: element offset of each parameter; ``offsets[-1]`` is the total (padding included).
+        sizes: each parameter's element count (``offsets[i] + sizes[i] <= offsets[i + 1]``).
+        bits: the quantized states' bits (8 or 4), or None: full-precision states.
+        align: every parameter starts at a multiple of it (1; a quantized buffer: its block size,
+            with zero padding between parameters, so that blocks never straddle two parameters).
+        valid: per block of ``align`` elements, how many hold values (None without padding).
         shapes: each parameter's (local) shape when packed.
         device, dtype: of the parameters (their local shards, when staged).
         data: the flat parameter buffer (``p.data`` is a view of it, unless staged).
         grad: the flat gradient buffer (None until the first gradient arrives).
         grad_views: per-parameter views of ``grad`` (the objects ``p.grad`` is set to).
         ptrs: ``p.data_ptr()`` of each parameter when last bound (binding checks).
-        states: flat state buffers by name (allocated by the optimizer at its first step).
+        states: flat state buffers by name (allocated by the optimizer at its first step): tensors,
+            or :class:`~dml_optim.quant.QuantizedState` in a quantized buffer.
         master: the FP32 master copy of the parameters (``master_weights=True``) or None.
         kahan: the Kahan compensation buffer (``kahan=True``) or None.
         scratch: the rule's scratch tensors (full size, or one chunk).
@@ -186,10 +204,12 @@ class FlatBuffer:
         staged: the parameters are DTensors; ``data`` is a working copy of their local shards.
     """
 
-    __slots__ = ("params", "indices", "offsets", "shapes", "device", "dtype", "data", "grad", "grad_views", "ptrs", "states",
-                 "master", "kahan", "scratch", "counter", "precision", "owned", "staged", "__weakref__")
+    __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
+                 "grad_views", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
+                 "__weakref__")
 
-    def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False):
+    def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
+                 bits: int | None = None):
         self.params = list(params)
         self.indices = list(indices)
         first = local_tensor(self.params[0])
@@ -197,10 +217,12 @@ class FlatBuffer:
         self.dtype = first.dtype
         self.staged = any(is_distributed(p) for p in self.params)
         locals_ = [local_tensor(p) for p in self.params]
-        self.offsets = _offsets(locals_)
+        self.bits = bits
+        self.align = BLOCK[bits] if bits else 1
+        self._set_layout([t.numel() for t in locals_])
         self.shapes = [t.shape for t in locals_]
         self.data = pack_values(locals_, self.numel, self.dtype, self.device, via_host and not self.staged,
-                                rebind=None if self.staged else self.params)
+                                rebind=None if self.staged else self.params, offsets=self.offsets)
         self.grad: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor | None] = [None] * len(self.params)
         self.ptrs = [] if self.staged else list(map(_DATA_PTR, self.params))
@@ -217,20 +239,43 @@ class FlatBuffer:
 
     # -- layout --------------------------------------------------------------------
 
+    def _set_layout(self, sizes: Sequence[int]) -> None:
+        """Offsets (aligned), sizes and per-block valid counts for parameters of ``sizes`` in this order."""
+        self.sizes = list(sizes)
+        self.offsets = _offsets(self.sizes, self.align)
+        self.valid = None
+        if self.align > 1 and self.offsets[-1] != sum(self.sizes):
+            counts = []
+            for n in self.sizes:
+                full, rest = divmod(n, self.align)
+                counts += [self.align] * full + ([rest] if rest else [])
+            self.valid = torch.tensor(counts, dtype=torch.int32, device=self.device)
+
     @property
     def numel(self) -> int:
+        """Elements of every flat tensor (padding included)."""
         return self.offsets[-1]
 
     def __len__(self) -> int:
         return len(self.params)
 
     def segment(self, first: int, stop: int) -> tuple[int, int]:
-        """Element range ``[start, end)`` of parameters ``[first, stop)``."""
+        """Element range ``[start, end)`` of parameters ``[first, stop)`` (with their padding)."""
         return self.offsets[first], self.offsets[stop]
 
+    def span(self, i: int) -> tuple[int, int]:
+        """Element range ``[start, end)`` of parameter ``i``'s own values (no padding)."""
+        return self.offsets[i], self.offsets[i] + self.sizes[i]
+
+    def block_valid(self, start: int, end: int) -> torch.Tensor | None:
+        """Per-block valid counts of elements ``[start, end)`` (block-aligned), or None without padding."""
+        if self.valid is None:
+            return None
+        return self.valid[start // self.align : -(-end // self.align)]
+
     def _slices(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
-        for a, b in zip(self.offsets[:-1], self.offsets[1:]):
-            yield flat[a:b]
+        for a, n in zip(self.offsets, self.sizes):
+            yield flat[a : a + n]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views (local shapes) of a flat tensor of this layout."""
@@ -238,7 +283,9 @@ class FlatBuffer:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every flat tensor a step writes (parameters, gradients, states, master, compensation)."""
-        out = [self.data] + ([self.grad] if self.grad is not None else []) + list(self.states.values())
+        out = [self.data] + ([self.grad] if self.grad is not None else [])
+        for s in self.states.values():
+            out += s.tensors() if isinstance(s, QuantizedState) else [s]
         return out + [t for t in (self.master, self.kahan) if t is not None]
 
     # -- gradients -------------------------------------------------------------------
@@ -260,9 +307,11 @@ class FlatBuffer:
             for first, stop in _runs(foreign):  # one cat per contiguous run: O(1) ops after a re-pack
                 a, b = self.offsets[first], self.offsets[stop]
                 grads = [local_tensor(self.params[i].grad).reshape(-1) for i in range(first, stop)]
-                if len(grads) == 1 or any(_storage(g) == home for g in grads):  # (a view of our own buffer)
+                padded = sum(self.sizes[first:stop]) != b - a  # an aligned layout: one copy each
+                if len(grads) == 1 or padded or any(_storage(g) == home for g in grads):  # (or a view of our buffer)
                     for i, g in zip(range(first, stop), grads):
-                        self.grad[self.offsets[i] : self.offsets[i + 1]].copy_(g.clone() if _storage(g) == home else g)
+                        lo, hi = self.span(i)
+                        self.grad[lo:hi].copy_(g.clone() if _storage(g) == home else g)
                 else:
                     torch.cat(grads, out=self.grad[a:b])
             if not self.staged:
@@ -381,7 +430,7 @@ class FlatBuffer:
         with torch.no_grad():
             for i in moved:
                 p = self.params[i]
-                a, b = self.offsets[i], self.offsets[i + 1]
+                a, b = self.span(i)
                 self.data[a:b].copy_(p.detach().reshape(-1))
                 p.data = self.data[a:b].view(p.shape)
                 self.ptrs[i] = p.data_ptr()
@@ -425,23 +474,32 @@ class FlatBuffer:
         a time); parameters and gradients are re-pointed at their new slices.
         """
         order = list(order)
-        old_views = {id(t): list(self._slices(t)) for t in self.tensors()}
-        new_offsets = _offsets(local_tensor(self.params[i]) for i in order)
         spare = next((s for s in self.scratch if s.numel() == self.numel), None)  # a full-size scratch tensor
 
-        def repacked(t: torch.Tensor) -> torch.Tensor:
-            pieces = [old_views[id(t)][i] for i in order]
-            if spare is not None and spare.dtype == t.dtype and self.owned:  # no allocation: through the scratch
-                torch.cat(pieces, out=spare)
+        def pieces_of(t: torch.Tensor, per: int = 1) -> list[torch.Tensor]:
+            # each parameter with its padding: in an aligned layout the pieces are whole blocks
+            bounds = [o // per for o in self.offsets]
+            return [t[bounds[i] : bounds[i + 1]] for i in order]
+
+        def repacked(t: torch.Tensor, per: int = 1) -> torch.Tensor:
+            pieces = pieces_of(t, per)
+            if spare is not None and spare.dtype == t.dtype and spare.numel() == t.numel() and self.owned:
+                torch.cat(pieces, out=spare)  # no allocation: through the scratch
                 return t.copy_(spare)
             out = torch.empty_like(t)
             torch.cat(pieces, out=out)
             return out
 
+        def repacked_state(s):
+            if isinstance(s, QuantizedState):
+                per = 2 if s.format.bits == 4 else 1
+                return QuantizedState(repacked(s.codes, per), repacked(s.scales, s.format.block), s.format)
+            return repacked(s)
+
         with torch.no_grad():
             data = repacked(self.data)
             grad = repacked(self.grad) if self.grad is not None else None
-            states = {k: repacked(v) for k, v in self.states.items()}
+            states = {k: repacked_state(v) for k, v in self.states.items()}
             master = repacked(self.master) if self.master is not None else None
             kahan = repacked(self.kahan) if self.kahan is not None else None
         grads = list(map(_GRAD, self.params))
@@ -449,7 +507,7 @@ class FlatBuffer:
         self.params = [self.params[i] for i in order]
         self.indices = [self.indices[i] for i in order]
         self.shapes = [self.shapes[i] for i in order]
-        self.offsets = new_offsets
+        self._set_layout([self.sizes[i] for i in order])
         self.data, self.grad, self.states, self.master, self.kahan = data, grad, states, master, kahan
         if not self.staged:
             for p, view in zip(self.params, self.views(self.data)):
@@ -466,6 +524,42 @@ class FlatBuffer:
         self.counter.permute(order)
 
 
+def param_piece(flat: FlatBuffer, t, i: int):
+    """Parameter ``i``'s part of the flat state ``t`` of ``flat``'s layout: a view of its values (shaped
+    like the parameter), or, for a :class:`~dml_optim.quant.QuantizedState`, its own blocks (a view)."""
+    if isinstance(t, QuantizedState):
+        return t[flat.offsets[i] : flat.offsets[i + 1]]
+    a, b = flat.span(i)
+    return t[a:b].view(flat.shapes[i])
+
+
+def store_param_piece(flat: FlatBuffer, t, i: int, src) -> None:
+    """Write parameter ``i``'s part of the flat state ``t`` from ``src`` (a tensor of the parameter's
+    values, or the blocks of a quantized state): blocks of the same format are copied bit for bit,
+    anything else is decoded and/or encoded (cast as ``load_state_dict`` casts)."""
+    n = flat.sizes[i]
+    with torch.no_grad():
+        if not isinstance(t, QuantizedState):
+            values = src.decode(t.dtype)[:n] if isinstance(src, QuantizedState) else local_tensor(src).reshape(-1)
+            a, b = flat.span(i)
+            t[a:b].copy_(values)
+            return
+        lo, hi = flat.offsets[i], flat.offsets[i + 1]
+        dst = t[lo:hi]
+        if isinstance(src, QuantizedState) and src.format == dst.format and src.numel == dst.numel:
+            dst.copy_(src.to(dst.device))
+            return
+        if isinstance(src, QuantizedState):
+            values = src.decode(torch.float32)[:n]
+        else:
+            values = local_tensor(src).reshape(-1)
+        work = torch.zeros(hi - lo, dtype=torch.float64 if values.dtype == torch.float64 else torch.float32,
+                           device=dst.device)
+        work[:n].copy_(values)
+        valid = flat.block_valid(lo, hi)
+        dst.encode_(work, block_mask(valid, flat.align) if valid is not None else None)
+
+
 def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     """Maximal runs ``[first, stop)`` of consecutive numbers in sorted ``indices``."""
     runs: list[tuple[int, int]] = []
@@ -477,10 +571,11 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _offsets(tensors) -> list[int]:
+def _offsets(sizes: Sequence[int], align: int = 1) -> list[int]:
+    """Start of each of ``sizes`` back to back, each rounded up to ``align``; then the (rounded) total."""
     offsets = [0]
-    for t in tensors:
-        offsets.append(offsets[-1] + t.numel())
+    for n in sizes:
+        offsets.append(-(-(offsets[-1] + n) // align) * align)
     return offsets
 
 

@@ -5,7 +5,7 @@ Two kinds of settings live in a param group:
 * **hyperparameters** (``lr``, ``alpha``, ``betas``, ...): the update rule's
   numbers, declared per optimizer in its spec (:mod:`dml_optim.optimizers.spec`);
 * **options** (this module): how the rule runs, the same for every optimizer:
-  ``backend``, ``state_dtype``, ``compute_dtype``, ``master_weights``,
+  ``backend``, ``state_dtype``, ``state_bits``, ``compute_dtype``, ``master_weights``,
   ``kahan``, ``nonfinite`` and ``capturable``.
 
 Optimizer-wide settings (``atomic``, ``checks``, ``pack_via``) are attributes
@@ -21,6 +21,7 @@ from typing import Any, TypedDict
 import torch
 
 __all__ = [
+    "STATE_BITS",
     "BACKENDS",
     "NONFINITE_MODES",
     "CHECK_MODES",
@@ -39,6 +40,8 @@ __all__ = [
     "check_choice",
 ]
 
+#: ``state_bits=``: full-precision states (None), or 8-bit / 4-bit block-quantized ones (dml_optim.quant).
+STATE_BITS = (None, 8, 4)
 #: ``backend=``: the eager op chain, the torch.compile'd kernel, or the choice by size and device.
 BACKENDS = ("auto", "eager", "compiled")
 #: ``nonfinite=``: what a step does with inf/NaN gradients.
@@ -63,6 +66,7 @@ MAX_STEP = 2**53
 OPTION_DEFAULTS: dict[str, Any] = {
     "backend": "auto",
     "state_dtype": None,
+    "state_bits": None,
     "compute_dtype": None,
     "master_weights": False,
     "kahan": False,
@@ -76,7 +80,8 @@ class OptimizerOptions(TypedDict, total=False):
     """The keyword options every optimizer accepts after its hyperparameters.
 
     Per group (also accepted in ``add_param_group`` dicts): ``backend``
-    (``"auto"``, ``"eager"``, ``"compiled"``), ``state_dtype``,
+    (``"auto"``, ``"eager"``, ``"compiled"``), ``state_dtype``, ``state_bits``
+    (None, 8 or 4: block-quantized states),
     ``compute_dtype``, ``master_weights``, ``kahan``, ``nonfinite``
     (``"propagate"``, ``"skip"``, ``"raise"``), ``capturable``.  Optimizer-wide:
     ``atomic`` (roll a failed step back), ``checks`` (``"full"``, ``"fast"``),
@@ -85,6 +90,7 @@ class OptimizerOptions(TypedDict, total=False):
 
     backend: str
     state_dtype: "torch.dtype | str | None"
+    state_bits: "int | None"
     compute_dtype: "torch.dtype | str | None"
     master_weights: bool
     kahan: bool
@@ -131,6 +137,9 @@ def check_options(group: dict[str, Any]) -> None:
     check_choice("nonfinite", group["nonfinite"], NONFINITE_MODES)
     for key in ("state_dtype", "compute_dtype"):
         group[key] = dtype_option(key, group[key])
+    bits = group["state_bits"]
+    if isinstance(bits, bool) or bits not in STATE_BITS:
+        raise ValueError(f"state_bits must be None, 8 or 4, got {bits!r}")
     for key in ("master_weights", "kahan", "capturable"):
         check_flag(key, group[key])
     if group["master_weights"] and group["kahan"]:

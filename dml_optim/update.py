@@ -35,7 +35,14 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["step_scalars", "run_rule", "fused_step", "conversion_count", "coefficient_dtype"]
+from dml_optim.quant import QuantizedState, block_mask, format_named
+
+__all__ = ["step_scalars", "run_rule", "fused_step", "conversion_count", "coefficient_dtype", "storage_dtype"]
+
+
+def storage_dtype(state) -> torch.dtype:
+    """The dtype a state is stored in (``uint8`` for a block-quantized one: never the compute dtype)."""
+    return torch.uint8 if isinstance(state, QuantizedState) else state.dtype
 
 
 def coefficient_dtype(device: torch.device, compute_dtype: torch.dtype | None = None) -> torch.dtype:
@@ -97,10 +104,11 @@ def conversion_count(x: torch.dtype, g: torch.dtype, states: Sequence[torch.dtyp
     return (x != compute_dtype) + (g != compute_dtype) + sum(s != compute_dtype for s in states)
 
 
-def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tensor], scalars: Mapping[str, Any], *,
+def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scalars: Mapping[str, Any], *,
              compute_dtype: torch.dtype, finite: torch.Tensor | None = None, params_out: torch.Tensor | None = None,
              comp: torch.Tensor | None = None, buffers: Sequence[torch.Tensor] | None = None,
-             scratch: Sequence[torch.Tensor | None] = (), fused: bool = False) -> None:
+             scratch: Sequence[torch.Tensor | None] = (), fused: bool = False,
+             valid: torch.Tensor | None = None) -> None:
     """Apply ``cls.rule`` to one range, in place on ``x`` and ``states``.
 
     ``x``: the values the rule updates (the parameters, or their FP32 master
@@ -108,12 +116,18 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tenso
     the Kahan compensation buffer.  Operands whose dtype is not
     ``compute_dtype`` are converted: into ``buffers`` (preallocated, same
     length as ``x``; eager) or by ``.to()`` (``fused``: inside a compiled
-    graph, where nothing is materialized).  ``scratch``: the rule's own
+    graph, where nothing is materialized).  A state may be a
+    :class:`~dml_optim.quant.QuantizedState` (whole blocks): it is decoded the
+    same way, and encoded back after the rule.  ``valid``: per block, how many
+    elements hold values (an aligned, padded layout): padding encodes as 0 and
+    the parameters' padding is kept 0.  ``scratch``: the rule's own
     temporaries (None entries: the rule allocates, or fuses).
     """
     pool = iter(buffers) if buffers is not None else None
 
-    def up(t: torch.Tensor, force: bool = False) -> torch.Tensor:
+    def up(t, force: bool = False) -> torch.Tensor:
+        if isinstance(t, QuantizedState):
+            return t.decode(compute_dtype, out=next(pool) if pool is not None else None)
         if t.dtype == compute_dtype and not force:
             return t
         if pool is None:
@@ -130,8 +144,16 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tenso
     gs = up(g)
     ss = [up(s) for s in states]
     cls.rule(xs, gs, *ss, scratch=scratch, **scalars)
+    mask = block_mask(valid, len(x) // len(valid)) if valid is not None else None
+    if mask is not None:  # an epsilon of 0 makes padding 0/0: it stays 0 (it feeds the L2 term)
+        if fused:
+            xs = torch.where(mask.reshape(-1), xs, torch.zeros((), dtype=xs.dtype, device=xs.device))
+        else:
+            xs.view(mask.shape).masked_fill_(mask.logical_not(), 0)
     for s, c in zip(states, ss):
-        if c is not s:
+        if isinstance(s, QuantizedState):
+            s.encode_(c, mask)
+        elif c is not s:
             s.copy_(c)
     if comp is not None:
         cs = up(comp, force=True)
@@ -147,25 +169,30 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tenso
 
 
 def fused_step(cls, structure: tuple, names: Sequence[str], compute_dtype: torch.dtype, gated: bool,
-               has_out: bool, has_comp: bool, n_states: int, *tensors: torch.Tensor) -> None:
+               has_out: bool, has_comp: bool, formats: Sequence[str | None], has_valid: bool,
+               *tensors: torch.Tensor) -> None:
     """The whole step of one range as the compiled backend traces it (positional tensors only).
 
-    ``tensors``: ``x, g, *states, [params_out], [comp], T, [finite], *hyper``
-    where ``hyper`` are 0-d tensors named by ``names``.  ``structure`` holds the
-    class's structural hyperparameter values (mode, flags, exact zeros), which
-    reach the rule as Python values.  The step counter ``T`` (completed
-    steps) is advanced inside the graph, by 1 or by ``finite``.
+    ``tensors``: ``x, g, *states, [params_out], [comp], [valid], T, [finite], *hyper``
+    where ``hyper`` are 0-d tensors named by ``names``.  ``formats`` says how
+    each state is stored: None (one tensor) or a quantized format's name (two
+    tensors: codes and scales; ``valid`` then gives the padding of an aligned
+    layout).  ``structure`` holds the class's structural hyperparameter values
+    (mode, flags, exact zeros), which reach the rule as Python values.  The
+    step counter ``T`` (completed steps) is advanced inside the graph, by 1 or
+    by ``finite``.
     """
     it = iter(tensors)
     x, g = next(it), next(it)
-    states = [next(it) for _ in range(n_states)]
+    states = [next(it) if fmt is None else QuantizedState(next(it), next(it), format_named(fmt)) for fmt in formats]
     params_out = next(it) if has_out else None
     comp = next(it) if has_comp else None
+    valid = next(it) if has_valid else None
     T = next(it)
     finite = next(it) if gated else None
     hyper = dict(zip(names, it))
     hyper.update(structure)
     scalars = step_scalars(cls, hyper, T, finite, coefficient_dtype(x.device, compute_dtype))
     run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite, params_out=params_out,
-             comp=comp, fused=True, scratch=(None,) * cls.scratch_slots)
+             comp=comp, fused=True, scratch=(None,) * cls.scratch_slots, valid=valid)
     T.add_(finite.to(T.dtype) if finite is not None else 1)

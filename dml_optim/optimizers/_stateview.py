@@ -7,7 +7,8 @@ flat buffers, so ``optimizer.state`` is a mapping whose entries are made on
 demand:
 
 * ``opt.state[p]["exp_avg"]`` is a view of the flat state buffer (in-place
-  edits change the optimizer); ``opt.state[p]["step"]`` is a float tensor of
+  edits change the optimizer); a quantized state (``state_bits``) shows its
+  decoded values, a copy (assign it back to change the optimizer); ``opt.state[p]["step"]`` is a float tensor of
   that parameter's completed steps, as in torch.optim; a parameter without
   state (not stepped yet, or frozen) gives an empty dict, as torch.optim's
   ``defaultdict`` does;
@@ -26,7 +27,7 @@ from typing import Any, Iterator
 
 import torch
 
-from dml_optim.flat import local_tensor
+from dml_optim.flat import local_tensor, store_param_piece
 from dml_optim.optimizers.state_dict import EXTRA_STATES, param_state
 
 __all__ = ["StateView", "ParamStateView"]
@@ -37,7 +38,7 @@ class ParamStateView(dict):
 
     def __init__(self, opt, gi: int, flat, index: int):
         counts = flat.counter.counts() if flat is not None else []
-        super().__init__(param_state(opt, flat, index, counts[index]) if flat is not None else {})
+        super().__init__(param_state(opt, flat, index, counts[index], decoded=True) if flat is not None else {})
         self._where = (opt, gi, flat, index)
 
     def __setitem__(self, key: str, value) -> None:
@@ -67,9 +68,7 @@ class ParamStateView(dict):
                 raise ValueError(f"state[{key!r}] must be a tensor of shape {tuple(shape)}, got {got}")
             opt._ensure_state(group, flat)
             buffer = extras[key] if key in EXTRA_STATES else flat.states[key]
-            a, b = flat.segment(i, i + 1)
-            with torch.no_grad():
-                buffer[a:b].copy_(value_local.reshape(-1))
+            store_param_piece(flat, buffer, i, value_local)  # (a quantized state: encoded)
         else:
             raise KeyError(f"{type(opt).__name__} has no state {key!r} (it keeps {', '.join(('step',) + names)})")
         super().__setitem__(key, value)

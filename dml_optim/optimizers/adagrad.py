@@ -66,6 +66,7 @@ class Adagrad(FlatOptimizer):
         train_lr=3e-2,
     )
     state_names = ("sum",)
+    unsigned_states = ("sum",)
     step_offset = 0
     skip_identity = {"epsilon": 1.0, "rate": 0.0, "norm_coefficient": 0.0}
     zero_skips = ("decay_factor", "norm_coefficient")

@@ -90,6 +90,7 @@ class Adam(FlatOptimizer):
         train_lr=3e-3,
     )
     state_names = ("exp_avg", "exp_avg_sq")
+    unsigned_states = ("exp_avg_sq", "max_exp_avg_sq")
     step_offset = 1
     skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0, "norm_coefficient": 0.0,
                      "norm_coefficient_post": 0.0}

@@ -99,6 +99,9 @@ class FlatOptimizer(LayoutMixin, EngineMixin, Optimizer):
     spec: ClassVar[OptimizerSpec]
     #: Names of the per-parameter state tensors (torch.optim's names).
     state_names: ClassVar[tuple[str, ...]] = ()
+    #: States that are never negative (a second moment, a sum of squares): quantized without a sign and
+    #: without a zero level (``state_bits``, dml_optim.quant); the others keep a sign and an exact zero.
+    unsigned_states: ClassVar[tuple[str, ...]] = ()
     #: T passed to the rule = completed steps + step_offset.
     step_offset: ClassVar[int] = 0
     #: The largest completed-step count a parameter may reach, and why.

@@ -73,6 +73,7 @@ class DmlAdam(FlatOptimizer):
         train_lr=3e-3,
     )
     state_names = ("exp_avg", "exp_avg_sq")
+    unsigned_states = ("exp_avg_sq", "max_exp_avg_sq")
     step_offset = 1
     #: T = completed steps + 1 is DirectML's UINT32 TrainingStepTensor.
     max_step = UINT32_MAX
@@ -122,6 +123,11 @@ class DmlAdam(FlatOptimizer):
         out = []
         for gi, group in enumerate(self.param_groups):
             for fi, flat in enumerate(self._buffers_of(gi)):
+                if flat.bits:
+                    raise ValueError(
+                        f"param_groups[{gi}] buffer {fi}: the moments are {flat.bits}-bit block-quantized "
+                        "(state_bits); DirectML's ADAM_OPTIMIZER takes FLOAT32 or FLOAT16 moments, so this "
+                        "configuration has no single-operator DirectML form")
                 sdtype = self._state_dtype(group, flat.dtype)
                 if flat.master is not None or flat.kahan is not None or sdtype != flat.dtype:
                     extra = " with master weights" if flat.master is not None else " with Kahan compensation" if flat.kahan is not None else ""

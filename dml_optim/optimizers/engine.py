@@ -31,7 +31,8 @@ import torch
 from dml_optim.flat import FlatBuffer, describe_param
 from dml_optim.steps import StepClass
 from dml_optim.options import CHUNK_ELEMENTS, LOW_PRECISION_DTYPES
-from dml_optim.update import coefficient_dtype, conversion_count, run_rule, step_scalars
+from dml_optim.quant import QuantizedState, format_for
+from dml_optim.update import coefficient_dtype, conversion_count, run_rule, step_scalars, storage_dtype
 
 __all__ = ["EngineMixin"]
 
@@ -41,7 +42,8 @@ class EngineMixin:
 
     @staticmethod
     def _precision(group) -> tuple:
-        return (group["state_dtype"], group["compute_dtype"], group["master_weights"], group["kahan"])
+        return (group["state_dtype"], group["compute_dtype"], group["master_weights"], group["kahan"],
+                group["state_bits"])
 
     @classmethod
     def _master_dtype(cls, group, dtype: torch.dtype) -> torch.dtype:
@@ -57,20 +59,23 @@ class EngineMixin:
         return torch.float32 if group["master_weights"] or group["kahan"] else dtype
 
     @classmethod
-    def _compute_dtype(cls, group, dtype: torch.dtype) -> torch.dtype:
-        """Arithmetic dtype: ``compute_dtype``, else FP32 (at least) with master weights or Kahan, else the parameters'."""
+    def _compute_dtype(cls, group, dtype: torch.dtype, bits: int | None = None) -> torch.dtype:
+        """Arithmetic dtype: ``compute_dtype``, else FP32 (at least) with master weights, Kahan or quantized
+        states (``bits``: the buffer's), else the parameters'."""
         if group["compute_dtype"] is not None:
             return group["compute_dtype"]
         if group["master_weights"] or group["kahan"]:
-            sdtype = cls._state_dtype(group, dtype)
+            sdtype = cls._state_dtype(group, dtype) if not bits else torch.float32
             return torch.float32 if sdtype in LOW_PRECISION_DTYPES else sdtype
+        if bits:
+            return torch.float64 if dtype == torch.float64 else torch.float32
         return dtype
 
     def _converts(self, group, flat: FlatBuffer) -> bool:
-        """The eager rule needs converted operands (it then runs in chunks)."""
-        cdtype = self._compute_dtype(group, flat.dtype)
+        """The eager rule needs converted operands (it then runs in chunks): quantized states always."""
+        cdtype = self._compute_dtype(group, flat.dtype, flat.bits)
         x_dtype = flat.master.dtype if flat.master is not None else flat.dtype
-        return (group["kahan"] or x_dtype != cdtype or flat.dtype != cdtype
+        return (group["kahan"] or flat.bits is not None or x_dtype != cdtype or flat.dtype != cdtype
                 or any(s.dtype != cdtype for s in flat.states.values()))
 
     def _ensure_state(self, group, flat: FlatBuffer) -> None:
@@ -79,17 +84,25 @@ class EngineMixin:
         if flat.precision is not None and all(n in flat.states for n in names):
             return
         flat.precision = self._precision(group)
-        sdtype = self._state_dtype(group, flat.dtype)
         with torch.no_grad():
             for name in names:
                 if name not in flat.states:
-                    flat.states[name] = torch.full((flat.numel,), type(self).initial_state(group, name), dtype=sdtype,
-                                                   device=flat.device)
+                    flat.states[name] = self._new_state(group, flat, name)
             if group["master_weights"] and flat.master is None:
                 flat.master = flat.data.to(self._master_dtype(group, flat.dtype))
             if group["kahan"] and flat.kahan is None:
                 flat.kahan = torch.zeros(flat.numel, dtype=flat.dtype, device=flat.device)
         flat.scratch = []
+
+    def _new_state(self, group, flat: FlatBuffer, name: str):
+        """A fresh flat state (its initial value everywhere): a tensor of the state dtype, or, in a
+        quantized buffer, a :class:`~dml_optim.quant.QuantizedState` (signed unless ``unsigned_states``)."""
+        cls = type(self)
+        value = cls.initial_state(group, name)
+        if flat.bits:
+            return QuantizedState.full(flat.numel, value, format_for(flat.bits, signed=name not in cls.unsigned_states),
+                                       flat.device)
+        return torch.full((flat.numel,), value, dtype=self._state_dtype(group, flat.dtype), device=flat.device)
 
     def _ensure_scratch(self, group, flat: FlatBuffer, gated: bool, compiled: bool) -> None:
         """Scratch for the eager rule: full size, or one chunk when it converts; none for a compiled
@@ -99,11 +112,11 @@ class EngineMixin:
             return
         converts = self._converts(group, flat)
         size = min(flat.numel, CHUNK_ELEMENTS) if converts else flat.numel
-        cdtype = self._compute_dtype(group, flat.dtype)
+        cdtype = self._compute_dtype(group, flat.dtype, flat.bits)
         count = type(self).scratch_count(group, gated)
         if converts:
             x = flat.master if flat.master is not None else flat.data
-            count += conversion_count(x.dtype, flat.dtype, [s.dtype for s in flat.states.values()], cdtype,
+            count += conversion_count(x.dtype, flat.dtype, [storage_dtype(s) for s in flat.states.values()], cdtype,
                                       group["kahan"])
         if len(flat.scratch) == count and all(len(s) == size for s in flat.scratch):
             return
@@ -167,7 +180,7 @@ class EngineMixin:
 
     def _check_range(self, group, flat: FlatBuffer, scalars: dict[str, Any]) -> None:
         """Refuse per-step scalars the compute dtype cannot hold (before any write)."""
-        cdtype = self._compute_dtype(group, flat.dtype)
+        cdtype = self._compute_dtype(group, flat.dtype, flat.bits)
         limit = torch.finfo(cdtype).max
         for name, value in scalars.items():
             if isinstance(value, float) and abs(value) > limit:
@@ -239,7 +252,7 @@ class EngineMixin:
         names = cls.group_state_names(group)
         x = flat.master if flat.master is not None else flat.data
         out = flat.data if flat.master is not None else None
-        cdtype = self._compute_dtype(group, flat.dtype)
+        cdtype = self._compute_dtype(group, flat.dtype, flat.bits)
         n_rule = cls.scratch_count(group, finite is not None)
         rule_scratch, conversions = flat.scratch[:n_rule], flat.scratch[n_rule:]
         scratch_full = bool(flat.scratch) and len(flat.scratch[0]) >= flat.numel
@@ -263,7 +276,7 @@ class EngineMixin:
             k = b - a
             run_rule(cls, x[a:b], flat.grad[a:b], [flat.states[n][a:b] for n in names], scalars,
                      compute_dtype=cdtype, finite=finite, params_out=out[a:b] if out is not None else None,
-                     comp=flat.kahan[a:b] if flat.kahan is not None else None,
+                     comp=flat.kahan[a:b] if flat.kahan is not None else None, valid=flat.block_valid(a, b),
                      buffers=[t[:k] for t in conversions] if conversions else None,
                      scratch=[s[:k] for s in rule_scratch] + [None] * (cls.scratch_slots - len(rule_scratch)))
 

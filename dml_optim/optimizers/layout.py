@@ -32,9 +32,11 @@ from typing import Any, Sequence
 
 import torch
 
-from dml_optim.flat import Binding, FlatBuffer, _runs, describe_param, group_key, local_tensor
+from dml_optim.flat import (Binding, FlatBuffer, _runs, describe_param, group_key, local_tensor, param_piece,
+                             store_param_piece)
 from dml_optim.functional import check_like
 from dml_optim.optimizers.spec import sync_group
+from dml_optim.quant import BLOCK, MIN_ELEMENTS
 
 __all__ = ["LayoutMixin", "GroupLayout"]
 
@@ -90,15 +92,29 @@ class LayoutMixin:
     def _via_host(self, device: torch.device) -> bool:
         return self.pack_via == "host" or (self.pack_via == "auto" and device.type not in ("cpu", "meta"))
 
+    @staticmethod
+    def _bits_of(group: dict[str, Any], p) -> int | None:
+        """The state bits of parameter ``p`` under ``group``'s ``state_bits``: None for full precision,
+        which parameters under :data:`dml_optim.quant.MIN_ELEMENTS` elements keep (as bitsandbytes')."""
+        bits = group.get("state_bits")
+        return bits if bits in BLOCK and local_tensor(p).numel() >= MIN_ELEMENTS else None
+
     def _pack(self, group: dict[str, Any], indices: Sequence[int]) -> list[FlatBuffer]:
         by_key: dict[tuple, list[int]] = {}
         for i in indices:
-            by_key.setdefault(group_key(group["params"][i]), []).append(i)
+            p = group["params"][i]
+            by_key.setdefault(group_key(p) + (self._bits_of(group, p),), []).append(i)
         buffers = []
-        for key_indices in by_key.values():
+        for key, key_indices in by_key.items():
             params = [group["params"][i] for i in key_indices]
-            buffers.append(FlatBuffer(params, key_indices, via_host=self._via_host(local_tensor(params[0]).device)))
+            buffers.append(FlatBuffer(params, key_indices, via_host=self._via_host(local_tensor(params[0]).device),
+                                      bits=key[-1]))
         return buffers
+
+    def _bits_changed(self, group: dict[str, Any], layout: GroupLayout) -> bool:
+        """``state_bits`` changed before any state exists: the buffers must be packed again."""
+        return any(flat.precision is None and any(self._bits_of(group, p) != flat.bits for p in flat.params)
+                   for flat in layout.buffers)
 
     def _prepare(self) -> list[tuple[dict, FlatBuffer]]:
         """Validate every group, then bring bindings up to date and allocate states.
@@ -177,13 +193,13 @@ class LayoutMixin:
         layout = self._layout[gi]
         candidate, synced = self._settings(gi, group)
         settings = group if candidate is None else candidate
-        repack = self._unfrozen(group, layout)
+        repack = self._unfrozen(group, layout) or self._bits_changed(settings, layout)
         bindings: list[Binding | None] = []
         full = self.checks == "full"
         for flat in layout.buffers:
             if flat.precision is not None and flat.precision != self._precision(settings):
                 old, new = flat.precision, self._precision(settings)
-                names = ("state_dtype", "compute_dtype", "master_weights", "kahan")
+                names = ("state_dtype", "compute_dtype", "master_weights", "kahan", "state_bits")
                 changed = [f"{k} from {a} to {b}" for k, a, b in zip(names, old, new) if a != b]
                 raise ValueError(f"param_groups[{gi}]: {', '.join(changed)} after the states were allocated is not "
                                  "supported; build a new optimizer with the new options and load_state_dict() into it")
@@ -278,16 +294,16 @@ class LayoutMixin:
         """
         group = self.param_groups[gi]
         layout = self._layout[gi]
-        carried: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
+        carried: dict[int, tuple[dict[str, Any], int]] = {}
         for flat in layout.buffers:
             counts = flat.counter.counts()
-            sources = {name: flat.views(t) for name, t in flat.states.items()}
+            sources = dict(flat.states)
             if flat.master is not None:
-                sources["master_param"] = flat.views(flat.master)
+                sources["master_param"] = flat.master
             if flat.kahan is not None:
-                sources["kahan_comp"] = flat.views(flat.kahan)
+                sources["kahan_comp"] = flat.kahan
             for i, gindex in enumerate(flat.indices):
-                carried[gindex] = ({k: v[i] for k, v in sources.items()}, counts[i])
+                carried[gindex] = ({k: param_piece(flat, v, i) for k, v in sources.items()}, counts[i])
         members = sorted(set(carried) | {i for i in layout.frozen if i in include or _wants_packing(group["params"][i])})
         layout.frozen = [i for i in range(len(group["params"])) if i not in set(members)]
         old = layout.buffers
@@ -304,8 +320,7 @@ class LayoutMixin:
                     for name, src in states.items():
                         dst = {"master_param": flat.master, "kahan_comp": flat.kahan}.get(name, flat.states.get(name))
                         if dst is not None:
-                            a, b = flat.segment(i, i + 1)
-                            dst[a:b].copy_(src.reshape(-1))
+                            store_param_piece(flat, dst, i, src)
             flat.counter.set_counts(counts)
         del old
 

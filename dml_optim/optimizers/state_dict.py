@@ -63,17 +63,23 @@ from typing import Any
 
 import torch
 
-from dml_optim.flat import FlatBuffer, is_distributed, local_tensor
-from dml_optim.options import BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, dtype_option
+from dml_optim.flat import FlatBuffer, is_distributed, local_tensor, param_piece, store_param_piece
+from dml_optim.quant import BLOCK, QuantizedState, format_for
+from dml_optim.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_BITS, STATE_DICT_FORMAT_VERSION,
+                               dtype_option)
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS, sync_group
 
-__all__ = ["save", "load", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES"]
+__all__ = ["save", "load", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES", "CODES", "ABSMAX", "QUANTIZATION"]
 
 _TOP_KEYS = {"state", "param_groups", "dml_optim"}
 #: Param-group keys that learning-rate schedulers add; they load as they are.
 SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"})
 #: Per-parameter entries beside the rule's states: the FP32 master copy and the Kahan compensation.
 EXTRA_STATES = ("master_param", "kahan_comp")
+#: Suffixes of a quantized state's entries: ``exp_avg_codes`` (uint8) and ``exp_avg_absmax`` (float32, per block).
+CODES, ABSMAX = "_codes", "_absmax"
+#: The codebook of quantized entries (``state_dict()["dml_optim"]["quantization"]``, dml_optim.quant).
+QUANTIZATION = "dml-optim-blockwise-1"
 
 
 # -- saving -----------------------------------------------------------------------------------
@@ -87,19 +93,31 @@ def _as_param_layout(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return cls.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def param_state(opt, flat: FlatBuffer, i: int, count: int) -> dict[str, Any]:
-    """Parameter ``i`` of ``flat``'s state as torch.optim shows it (views of the flat buffers)."""
+def param_state(opt, flat: FlatBuffer, i: int, count: int, decoded: bool = False) -> dict[str, Any]:
+    """Parameter ``i`` of ``flat``'s state as torch.optim shows it (views of the flat buffers).
+
+    A quantized state is saved as ``<name>_codes`` (uint8: one code, or at 4
+    bits two, per byte, over the parameter's whole blocks) and ``<name>_absmax``
+    (float32, one scale per block), views of the buffers; ``decoded`` (the
+    live ``optimizer.state`` view), or a DTensor parameter (its checkpoint is
+    resharded by the parameter's layout), gives the decoded values under
+    ``<name>`` instead (a copy).
+    """
     if count == 0 or not (flat.states or flat.master is not None or flat.kahan is not None):
         return {}  # (a rule without state, SGD without momentum, saves none, as torch.optim.SGD)
     p = flat.params[i]
     state: dict[str, Any] = {"step": torch.tensor(float(count), dtype=torch.float64)}  # exact to 2**53
-    a, b = flat.segment(i, i + 1)
-    shape = flat.shapes[i]
     for name, t in flat.states.items():
-        state[name] = _as_param_layout(t[a:b].view(shape), p)
+        piece = param_piece(flat, t, i)
+        if not isinstance(piece, QuantizedState):
+            state[name] = _as_param_layout(piece, p)
+        elif decoded or is_distributed(p):
+            state[name] = _as_param_layout(piece.decode(torch.float32)[: flat.sizes[i]].view(flat.shapes[i]), p)
+        else:
+            state[f"{name}{CODES}"], state[f"{name}{ABSMAX}"] = piece.codes, piece.scales
     for name, t in zip(EXTRA_STATES, (flat.master, flat.kahan)):
         if t is not None:
-            state[name] = _as_param_layout(t[a:b].view(shape), p)
+            state[name] = _as_param_layout(param_piece(flat, t, i), p)
     return state
 
 
@@ -126,11 +144,10 @@ def save(opt) -> dict[str, Any]:
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(packed)
-    return {
-        "state": state,
-        "param_groups": groups,
-        "dml_optim": {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(opt).__name__},
-    }
+    meta = {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(opt).__name__}
+    if any(k.endswith(CODES) for entry in state.values() for k in entry):
+        meta["quantization"] = QUANTIZATION
+    return {"state": state, "param_groups": groups, "dml_optim": meta}
 
 
 def _fail(message: str, exc=ValueError):
@@ -142,7 +159,9 @@ def load(opt, state_dict: dict[str, Any]) -> None:
     opt._follow()
     version = _check_top(opt, state_dict)
     new_groups, index_of = _check_groups(opt, state_dict["param_groups"], version)
-    incoming = _check_state(opt, state_dict["state"], index_of, new_groups, version)
+    saved_bits = [g.get("state_bits") if version >= 1 else None for g in state_dict["param_groups"]]
+    incoming = _check_state(opt, state_dict["state"], index_of, new_groups, version, saved_bits,
+                            state_dict.get("dml_optim", {}).get("quantization"))
     opt._include(sorted(incoming))  # frozen parameters with saved state get packed (their values are unchanged)
     staged = _stage(opt, new_groups, incoming)
     _write(opt, new_groups, staged)
@@ -282,11 +301,14 @@ def _check_saved_options(updates: dict[str, Any], gi: int) -> None:
         for key in ("state_dtype", "compute_dtype"):
             if key in updates:
                 dtype_option(key, updates[key])
+        if "state_bits" in updates and (isinstance(updates["state_bits"], bool) or updates["state_bits"] not in STATE_BITS):
+            raise ValueError(f"state_bits must be None, 8 or 4, got {updates['state_bits']!r}")
     except (TypeError, ValueError) as exc:
         _fail(f"param_groups[{gi}]: {exc}", type(exc))
 
 
-def _check_state(opt, saved_state, index_of, new_groups, version: int) -> dict[tuple[int, int], dict[str, Any]]:
+def _check_state(opt, saved_state, index_of, new_groups, version: int, saved_bits=(), quantization=None
+                 ) -> dict[tuple[int, int], dict[str, Any]]:
     if not isinstance(saved_state, dict):
         _fail(f"state must be a dict, got {type(saved_state).__name__}", TypeError)
     cls = type(opt)
@@ -296,6 +318,10 @@ def _check_state(opt, saved_state, index_of, new_groups, version: int) -> dict[t
             _fail(f"state has an entry for parameter id {pid!r}, which no param group lists", KeyError)
         gi, pi = index_of[pid]
         names = set(cls.group_state_names(new_groups[gi][0]))
+        quantized = {f"{n}{suffix}" for n in names for suffix in (CODES, ABSMAX)}
+        if isinstance(entry, dict) and quantized & set(entry):
+            entry = _quantized_entry(cls, entry, names, saved_bits[gi] if gi < len(saved_bits) else None,
+                                     quantization, opt.param_groups[gi]["params"][pi], f"state[{pid!r}]")
         allowed = names | {"step"} | set(EXTRA_STATES)
         step_optional = version == 0 and cls.state_names == ("momentum_buffer",)  # torch.optim.SGD keeps no step
         p = opt.param_groups[gi]["params"][pi]
@@ -313,9 +339,45 @@ def _check_state(opt, saved_state, index_of, new_groups, version: int) -> dict[t
         if step > cls.max_step:
             _fail(f"{where}['step'] = {step} is beyond what {cls.__name__} can have reached (max {cls.max_step})")
         for key in sorted((names | set(EXTRA_STATES)) & set(entry)):
-            _check_state_tensor(entry[key], f"{where}[{key!r}]", p)
+            if not isinstance(entry[key], QuantizedState):
+                _check_state_tensor(entry[key], f"{where}[{key!r}]", p)
         incoming[(gi, pi)] = dict(entry, step=step)
     return incoming
+
+
+def _quantized_entry(cls, entry: dict, names: set, bits, quantization, p, where: str) -> dict:
+    """``entry`` with each quantized state (``<name>_codes``, ``<name>_absmax``) checked and replaced by a
+    :class:`~dml_optim.quant.QuantizedState` under ``<name>`` (decoded or copied when staged)."""
+    if quantization != QUANTIZATION:
+        _fail(f"{where} holds quantized states, but the state dict's 'dml_optim' says quantization="
+              f"{quantization!r}, not {QUANTIZATION!r} (the codebook this dml_optim reads)")
+    if bits not in BLOCK:
+        _fail(f"{where} holds quantized states, but its saved param group has state_bits={bits!r}")
+    entry = dict(entry)
+    n = local_tensor(p).numel()
+    block = BLOCK[bits]
+    blocks = -(-n // block)
+    per_byte = 2 if bits == 4 else 1
+    for name in sorted(names):
+        codes, absmax = entry.pop(f"{name}{CODES}", None), entry.pop(f"{name}{ABSMAX}", None)
+        if codes is None and absmax is None:
+            continue
+        if codes is None or absmax is None:
+            _fail(f"{where} has {name}{CODES if codes is not None else ABSMAX} without "
+                  f"{name}{ABSMAX if codes is not None else CODES}", KeyError)
+        if name in entry:
+            _fail(f"{where} has {name!r} both quantized and in full precision", KeyError)
+        for key, t, dtypes, length in ((f"{name}{CODES}", codes, (torch.uint8,), blocks * block // per_byte),
+                                       (f"{name}{ABSMAX}", absmax, (torch.float32, torch.float64), blocks)):
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
+                _fail(f"{where}[{key!r}] must be a dense tensor with values, got {type(t).__name__}", TypeError)
+            if t.dtype not in dtypes:
+                _fail(f"{where}[{key!r}] has dtype {t.dtype}, expected {dtypes[0]}", TypeError)
+            if t.shape != (length,):
+                _fail(f"{where}[{key!r}] has shape {tuple(t.shape)}, expected ({length},) for {n} elements at "
+                      f"{bits} bits (blocks of {block})")
+        entry[name] = QuantizedState(codes, absmax.float(), format_for(bits, signed=name not in cls.unsigned_states))
+    return entry
 
 
 def _check_step(step, where: str) -> int:
@@ -361,10 +423,8 @@ def _stage(opt, new_groups, incoming) -> list[list[dict[str, Any]]]:
     for gi, (candidate, _) in enumerate(new_groups):
         per_flat = []
         for flat in opt._buffers_of(gi):
-            sdtype = opt._state_dtype(candidate, flat.dtype)
             names = type(opt).group_state_names(candidate)
-            states = {name: torch.full((flat.numel,), type(opt).initial_state(candidate, name), dtype=sdtype,
-                                       device=flat.device) for name in names}
+            states = {name: opt._new_state(candidate, flat, name) for name in names}
             master = flat.data.to(opt._master_dtype(candidate, flat.dtype), copy=True) if candidate["master_weights"] else None
             kahan = torch.zeros(flat.numel, dtype=flat.dtype, device=flat.device) if candidate["kahan"] else None
             extras = {"master_param": master, "kahan_comp": kahan}
@@ -374,12 +434,11 @@ def _stage(opt, new_groups, incoming) -> list[list[dict[str, Any]]]:
                 steps.append(entry["step"] if entry else 0)
                 if not entry:
                     continue
-                a, b = flat.segment(i, i + 1)
                 for name in names:
-                    states[name][a:b].copy_(local_tensor(entry[name]).reshape(-1))
+                    store_param_piece(flat, states[name], i, entry[name])
                 for name, t in extras.items():
                     if t is not None and name in entry:
-                        t[a:b].copy_(local_tensor(entry[name]).reshape(-1))
+                        store_param_piece(flat, t, i, entry[name])
             per_flat.append(dict(states=states, master=master, kahan=kahan, steps=steps))
         staged.append(per_flat)
     return staged
