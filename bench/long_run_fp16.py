@@ -3,7 +3,7 @@
 Usage::
 
     python bench/long_run_fp16.py [--steps 20000] [--seed 0] [--batch-size 128]
-                                  [--configs fp32,fp16-master,fp16-kahan,fp16-storage] [--out FILE]
+                                  [--configs fp32,fp16-master,fp16-kahan,fp16-storage,fp32-8bit,...] [--out FILE]
 
 Trains the built-in model (``dml_optim.toy``: 10-arm spiral, MLP 32-128-128-10)
 with the same seed, the same initial weights (cast) and the same mini-batches
@@ -32,6 +32,12 @@ epsilon 1e-6):
   (chunked), epsilon 1e-4 (>= 6e-8, so it survives in float16), the same loss
   scaler, no master copy: cheaper, but updates below half an FP16 ULP of a
   weight are lost.  Reported for comparison.
+* ``fp32-8bit``, ``fp32-4bit``: the float32 model with the moments stored
+  block-quantized in 8 or 4 bits (``state_bits``; tensors under 4096 elements
+  keep float32 moments).
+* ``fp16-kahan-8bit``, ``fp16-kahan-4bit``: ``fp16-kahan`` with 8- or 4-bit
+  moments: the smallest footprint (2 + 2 bytes of parameters and compensation,
+  about 2 or 1 of state, per parameter).
 
 Documented tolerance (checked by ``tests/test_long_run.py`` on a short run and
 reported here for the full one): every logged loss and every parameter stays
@@ -70,9 +76,10 @@ ABS_TOL = 0.02
 REL_TOL = 0.10
 
 HYPER = dict(lr=1e-3, alpha=0.9, beta=0.999, epsilon=1e-6)
-CONFIGS = ("fp32", "fp16-master", "fp16-kahan", "fp16-storage")
+CONFIGS = ("fp32", "fp16-master", "fp16-kahan", "fp16-storage", "fp32-8bit", "fp32-4bit", "fp16-kahan-8bit",
+           "fp16-kahan-4bit")
 #: The configurations whose final loss must be within the tolerance of ``fp32``'s.
-HELD_TO_TOLERANCE = ("fp16-master", "fp16-kahan")
+HELD_TO_TOLERANCE = ("fp16-master", "fp16-kahan", "fp32-8bit", "fp16-kahan-8bit")
 #: Where the JSON goes unless ``--out`` says otherwise (relative to the current folder).
 DEFAULT_OUT = DEFAULT_OUTPUT_DIR / "long_run_fp16.json"
 
@@ -89,14 +96,16 @@ def batch_indices(n_train: int, batch_size: int, steps: int, seed: int) -> torch
 
 def build(config: str, seed: int, init_scale: float = 2.0**16):
     """(model, optimizer, scaler or None, parameter dtype) of a configuration."""
-    if config == "fp32":
+    if config in ("fp32", "fp32-8bit", "fp32-4bit"):
         model = toy.make_model(seed)
-        return model, dml_optim.Adam(model.parameters(), **HYPER), None, torch.float32
+        bits = {"fp32-8bit": 8, "fp32-4bit": 4}.get(config)
+        return model, dml_optim.Adam(model.parameters(), state_bits=bits, **HYPER), None, torch.float32
     model = toy.make_model(seed, dtype=torch.float16)
     if config == "fp16-master":
         opt = dml_optim.Adam(model.parameters(), master_weights=True, **HYPER)
-    elif config == "fp16-kahan":
-        opt = dml_optim.Adam(model.parameters(), kahan=True, **HYPER)
+    elif config in ("fp16-kahan", "fp16-kahan-8bit", "fp16-kahan-4bit"):
+        bits = {"fp16-kahan-8bit": 8, "fp16-kahan-4bit": 4}.get(config)
+        opt = dml_optim.Adam(model.parameters(), kahan=True, state_bits=bits, **HYPER)
     elif config == "fp16-storage":
         opt = dml_optim.Adam(model.parameters(), compute_dtype=torch.float32, **dict(HYPER, epsilon=1e-4))
     else:

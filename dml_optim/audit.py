@@ -190,6 +190,8 @@ def _walk(value, seen: set[int], out: list[torch.Tensor], depth: int = 0) -> Non
     elif isinstance(value, (list, tuple, set)):
         for v in value:
             _walk(v, seen, out, depth + 1)
+    elif hasattr(value, "tensors") and type(value).__module__.startswith("dml_optim"):  # a quantized state
+        _walk(value.tensors(), seen, out, depth + 1)
     elif hasattr(value, "__dict__") and type(value).__module__.startswith("dml_optim"):
         _walk(vars(value), seen, out, depth + 1)
 

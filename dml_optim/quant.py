@@ -64,6 +64,7 @@ __all__ = [
     "encode_",
     "decode",
     "block_mask",
+    "tensors_of",
 ]
 
 #: Elements per block (one float32 scale each).
@@ -265,6 +266,11 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, dtype: t
 
 
 # -- the storage object --------------------------------------------------------------------------
+
+
+def tensors_of(state) -> list[torch.Tensor]:
+    """The tensors a state is stored in: itself, or a quantized state's codes and scales."""
+    return state.tensors() if isinstance(state, QuantizedState) else [state]
 
 
 class QuantizedState:

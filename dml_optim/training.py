@@ -36,6 +36,7 @@ import torch.nn.functional as nnf
 from dml_optim import toy
 from dml_optim.optimizers import registry
 from dml_optim.precision import epsilon_name
+from dml_optim.quant import MIN_ELEMENTS, QuantizedState
 
 __all__ = [
     "DTYPES", "DEVICES", "DEFAULT_STEPS", "DEFAULT_BATCH_SIZE", "FP16_EPSILON",
@@ -70,6 +71,8 @@ class TrainConfig:
     batch_size: int = DEFAULT_BATCH_SIZE
     dtype: str = "float32"
     seed: int = 0
+    #: dml_optim's ``state_bits`` (None, 8 or 4); torch.optim's run keeps full-precision state
+    state_bits: int | None = None
     hidden: int = toy.HIDDEN
     n_train: int = toy.N_TRAIN
     n_test: int = toy.N_TEST
@@ -83,6 +86,8 @@ class TrainConfig:
             _positive_int(name, getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if isinstance(self.state_bits, bool) or self.state_bits not in (None, 8, 4):
+            raise ValueError(f"state_bits must be None, 8 or 4, got {self.state_bits!r}")
         lr = spec.train_lr if self.lr is None else self.lr
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
@@ -220,12 +225,21 @@ def _name(opt: torch.optim.Optimizer) -> str:
 
 
 def _state_dtype(opt: torch.optim.Optimizer, fallback: torch.dtype) -> str:
+    infos = opt.flat_buffers() if hasattr(opt, "flat_buffers") else []
+    quantized = [s for i in infos for s in i.states.values() if isinstance(s, QuantizedState)]
+    if quantized:
+        full = sorted({str(s.dtype).replace("torch.", "") for i in infos for s in i.states.values()
+                       if not isinstance(s, QuantizedState)})
+        return (f"{quantized[0].format.bits}-bit blocks"
+                + (f" ({', '.join(full)} under {MIN_ELEMENTS} elements)" if full else ""))
     for state in opt.state.values():
         for key, value in state.items():
             if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
                 return str(value.dtype).replace("torch.", "")
     for info in opt.flat_buffers() if hasattr(opt, "flat_buffers") else []:
         for value in info.states.values():
+            if isinstance(value, QuantizedState):
+                return f"{value.format.bits}-bit"
             return str(value.dtype).replace("torch.", "")
     return str(fallback).replace("torch.", "")
 
@@ -307,7 +321,8 @@ def train(
     if impl == "torch":  # foreach=True: what torch 2.4 picks on a DirectML device (and fine on CPU/CUDA)
         opt = registry.torch_equivalent(config.optimizer, model.parameters(), foreach=True, **hyper)
     else:  # mixed: an FP32 master copy of the FP16 parameters, and FP32 state
-        opt = registry.build(config.optimizer, model.parameters(), master_weights=mixed, **hyper)
+        opt = registry.build(config.optimizer, model.parameters(), master_weights=mixed, state_bits=config.state_bits,
+                             **hyper)
     scaler = _make_scaler(device, mixed, torch_amp)
     probe = next(model.parameters())
 

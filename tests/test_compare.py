@@ -28,7 +28,8 @@ def dml_adam_report():
 def test_compare_has_every_metric_for_every_configuration(dml_adam_report):
     rep = dml_adam_report
     pairs = {(r.config, r.stream) for r in rep.results}
-    assert pairs == {(c, s) for c in ("fp32", "fp16", "fp16-fp32compute", "fp16-master", "fp16-kahan")
+    assert pairs == {(c, s) for c in ("fp32", "fp16", "fp16-fp32compute", "fp16-master", "fp16-kahan", "fp32-8bit",
+                                      "fp32-4bit", "fp16-kahan-8bit", "fp16-kahan-4bit")
                      for s in ("recorded", "synthetic")}
     for r in rep.results:
         assert set(r.metrics) == set(P.METRICS)
@@ -71,7 +72,7 @@ def test_compare_command_writes_report_json_and_png(tmp_path, capsys):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     doc = json.loads((tmp_path / "report.json").read_text())
     n_configs, n_streams = len(doc["configs"]), len(doc["streams"])
-    assert (n_configs, n_streams) == (7, 2)
+    assert (n_configs, n_streams) == (11, 2)
     assert [c["name"] for c in doc["configs"]] == list(P.CONFIGS)
     assert doc["command"] == ("dml-optim compare --optimizer adam --workload mlp --steps 4 --seed 0 "
                               f"--streams recorded,synthetic --configs {','.join(P.CONFIGS)}")
@@ -137,6 +138,20 @@ def test_kahan_findings_quote_fp32_and_fp16_master():
     # Kahan carries the updates FP16 rounding drops: no "lost to rounding" finding for it, one for plain fp16
     assert [f.split(" ")[0] for f in rep.findings if "lost to rounding" in f] == (
         ["`fp16`"] if m["fp16"]["lost_update_fraction"] >= 0.01 else [])
+
+
+def test_low_bit_findings_quote_their_memory_and_the_full_precision_twin():
+    rep = P.compare("adamw", steps=5, seed=2, configs=["fp32", "fp16-kahan", "fp32-8bit", "fp16-kahan-4bit"],
+                    streams=["recorded"])
+    m = {r.config: r.metrics for r in rep.results}
+    eight = next(f for f in rep.findings if f.startswith("`fp32-8bit` (recorded stream): states stored in 8 bits"))
+    assert "2.03 bytes per parameter for 2 states, instead of 8 in FP32" in eight  # 2 * (1 + 4/256)
+    assert f"{m['fp32-8bit']['final_rel_error']:.3g}" in eight and f"{m['fp32']['final_rel_error']:.3g} for `fp32`" in eight
+    four = next(f for f in rep.findings if f.startswith("`fp16-kahan-4bit` (recorded stream): states stored in 4 bits"))
+    assert "1.06 bytes per parameter" in four and "for `fp16-kahan` (the same with FP32 states)" in four
+    assert "16 evenly spaced levels" in four
+    # the 8-bit state drifts less than the 4-bit one, and both more than FP32 arithmetic alone
+    assert m["fp32"]["final_rel_error"] < m["fp32-8bit"]["final_rel_error"] < m["fp16-kahan-4bit"]["final_rel_error"]
 
 
 def test_compare_adamw_names_its_epsilon_eps(tmp_path):

@@ -76,6 +76,22 @@ def test_kahan_fp16_settings_track_fp32(fp32_run):
     assert long_run.within_tolerance(result["final_loss"], fp32_run["final_loss"]), (result["final_loss"], fp32_run["final_loss"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fp32-8bit", "fp16-kahan-8bit"])
+def test_eight_bit_state_tracks_fp32(fp32_run, config):
+    result = long_run.run(config, steps=STEPS, log_every=100, data=toy.make_dataset(0))
+    _check_finite(result)
+    assert long_run.within_tolerance(result["final_loss"], fp32_run["final_loss"]), (result["final_loss"], fp32_run["final_loss"])
+
+
+@pytest.mark.slow
+def test_four_bit_state_with_kahan_stays_finite_and_learns(fp32_run):
+    """Reported, not held to the tolerance (a 4-bit code has 15 levels: see the script's docstring)."""
+    result = long_run.run("fp16-kahan-4bit", steps=STEPS, log_every=100, data=toy.make_dataset(0))
+    _check_finite(result)
+    assert result["final_loss"] < 0.9 * math.log(toy.NUM_CLASSES)
+
+
 def test_kahan_configuration_keeps_fp16_parameters_and_a_compensation_buffer():
     model, opt, scaler, dtype = long_run.build("fp16-kahan", 0)
     assert dtype == torch.float16 and scaler is not None

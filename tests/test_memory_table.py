@@ -35,7 +35,28 @@ EXPECTED = {
     "fp16-kahan": (2, 2, 8, 0, 2),
     "bf16": (2, 2, 4, 0, 0),
     "bf16-kahan": (2, 2, 8, 0, 2),
+    # block-quantized states: their own arithmetic, below; parameters, gradients and compensation as without,
+    # times the padding that starts every quantized tensor at a block boundary
+    "fp32-8bit": (4, 4, None, 0, 0),
+    "fp32-4bit": (4, 4, None, 0, 0),
+    "fp16-kahan-8bit": (2, 2, None, 0, 2),
+    "fp16-kahan-4bit": (2, 2, None, 0, 2),
 }
+
+
+def _quantized(bits: int, states: int = 2) -> tuple[float, float]:
+    """Per parameter of the MLP: (state bytes, padded elements per element).  Tensors of 4096 elements or
+    more store whole blocks of ``bits``-bit codes (256 per block at 8 bits, 128 at 4) and a float32 scale per
+    block, and are padded to whole blocks in every flat buffer; smaller ones keep float32 values."""
+    block = {8: 256, 4: 128}[bits]
+    total = n = padded = 0
+    for p in toy.make_model(0, HIDDEN).parameters():
+        n += p.numel()
+        blocks = -(-p.numel() // block)
+        quantized = p.numel() >= 4096
+        total += (blocks * block * bits / 8 + 4 * blocks) if quantized else 4 * p.numel()
+        padded += blocks * block if quantized else p.numel()
+    return states * total / n, padded / n
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +83,10 @@ def test_readme_table_is_the_measured_one(footprints):
 def test_bytes_per_parameter_follow_from_the_dtypes(footprints, optimizer):
     for config, (params, grads, states, master, kahan) in EXPECTED.items():
         f = footprints[(optimizer, config)]
+        if states is None:
+            n_states = {"adagrad": 1, "momentum": 1, "sgd": 1}.get(optimizer, 2)
+            states, pad = _quantized(CONFIGS[config].state_bits, n_states)
+            params, grads, kahan = params * pad, grads * pad, kahan * pad
         assert (f.params, f.grads, f.states, f.master, f.kahan) == (params, grads, states, master, kahan), config
         assert f.parameters == sum(p.numel() for p in toy.make_model(0, HIDDEN).parameters())
 
@@ -89,7 +114,8 @@ def test_scratch_is_bounded_when_the_update_converts():
             p.grad = torch.zeros_like(p)
         opt.step()
         scratch = opt.flat_buffers()[0].scratch
-        if config.param_dtype == config.arithmetic_dtype == config.stored_state_dtype and not config.kahan:
+        if (config.param_dtype == config.arithmetic_dtype == config.stored_state_dtype and not config.kahan
+                and not config.state_bits):
             assert all(t.numel() == numel and t.dtype == config.param_dtype for t in scratch), name
         else:
             assert all(t.numel() == CHUNK_ELEMENTS and t.dtype == torch.float32 for t in scratch), name

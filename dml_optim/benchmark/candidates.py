@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from dml_optim.benchmark.timing import wall_seconds
+from dml_optim.quant import tensors_of
 
 __all__ = ["OPTIMIZERS", "CANDIDATES", "TORCH_CANDIDATES", "BYTES_PER_ELEMENT", "Candidate", "start", "unavailable"]
 
@@ -67,7 +68,7 @@ class Candidate:
         if self.ours:
             total = 0
             for info in self.opt.flat_buffers():
-                tensors = list(info.states.values()) + list(info.scratch)
+                tensors = [t for s in info.states.values() for t in tensors_of(s)] + list(info.scratch)
                 tensors += [t for t in (info.master, info.kahan) if t is not None]
                 total += sum(t.numel() * t.element_size() for t in tensors)
             return total

@@ -76,6 +76,8 @@ def add_parser(sub):
     p.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, help=f"training steps (default: {DEFAULT_STEPS})")
     p.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
                    help=f"examples per step (default: {DEFAULT_BATCH_SIZE})")
+    p.add_argument("--state-bits", type=int, choices=(8, 4), default=None,
+                   help="dml_optim's optimizer state in 8 or 4 bits per value, block-quantized (default: full precision)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="float32; float16 (FP16 params and state); mixed (FP16 params, FP32 master "
                         "weights and state, dynamic loss scaling) (default: float32)")
@@ -141,7 +143,8 @@ def format_header(header: dict) -> str:
     return "\n".join([
         f"dml-optim train: {config['steps']} steps of {config['batch_size']} on the built-in "
         f"{header['num_classes']}-class spiral data ({header['n_train']} train / {header['n_test']} held-out), "
-        f"--dtype {config['dtype']}, seed {config['seed']}",
+        f"--dtype {config['dtype']}, seed {config['seed']}"
+        + (f", --state-bits {config['state_bits']}" if config.get("state_bits") else ""),
         device,
         f"torch {header['torch']}, CPU threads {header['threads']}",
     ])
@@ -193,12 +196,12 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = TrainConfig(optimizer=args.optimizer, lr=args.lr, steps=args.steps, batch_size=args.batch_size,
-                         dtype=args.dtype, seed=args.seed).validated()
+                         dtype=args.dtype, seed=args.seed, state_bits=args.state_bits).validated()
     dml_ok, dml_reason = available()
     header = {
         "config": {"optimizer": config.optimizer, "lr": config.lr, "steps": config.steps,
                    "batch_size": config.batch_size, "dtype": config.dtype, "seed": config.seed,
-                   "hidden": config.hidden},
+                   "hidden": config.hidden, "state_bits": config.state_bits},
         "n_train": config.n_train, "n_test": config.n_test, "num_classes": toy.NUM_CLASSES,
         "requested_device": args.device, "device": str(device),
         "directml": {"available": dml_ok, "reason": dml_reason},

@@ -31,22 +31,26 @@ class Config:
     compute_dtype: torch.dtype | None = None
     master_weights: bool = False
     kahan: bool = False
+    state_bits: int | None = None
     description: str = ""
 
     def options(self) -> dict[str, Any]:
         """The optimizer keyword arguments of this configuration."""
         return dict(state_dtype=self.state_dtype, compute_dtype=self.compute_dtype,
-                    master_weights=self.master_weights, kahan=self.kahan)
+                    master_weights=self.master_weights, kahan=self.kahan, state_bits=self.state_bits)
 
     @property
     def stored_state_dtype(self) -> torch.dtype:
-        """The dtype the optimizer stores its states in (``state_dtype``, or the optimizers' default)."""
+        """The dtype the optimizer stores its states in (``state_dtype``, or the optimizers' default; for
+        quantized states, the dtype they decode into, and the dtype of the small tensors' states)."""
+        if self.state_bits:
+            return FlatOptimizer._compute_dtype(self.options(), self.param_dtype, self.state_bits)
         return FlatOptimizer._state_dtype(self.options(), self.param_dtype)
 
     @property
     def arithmetic_dtype(self) -> torch.dtype:
         """The dtype the update is computed in (``compute_dtype``, or the optimizers' default)."""
-        return FlatOptimizer._compute_dtype(self.options(), self.param_dtype)
+        return FlatOptimizer._compute_dtype(self.options(), self.param_dtype, self.state_bits)
 
     @property
     def carries_small_updates(self) -> bool:
@@ -70,6 +74,16 @@ CONFIGS: dict[str, Config] = {
         Config("bf16-kahan", torch.bfloat16, kahan=True,
                description="bfloat16 parameters plus a bfloat16 Kahan compensation buffer, FP32 states and "
                            "arithmetic (CPU/CUDA only)"),
+        Config("fp32-8bit", torch.float32, state_bits=8,
+               description="FP32 parameters and arithmetic, 8-bit block-quantized states"),
+        Config("fp32-4bit", torch.float32, state_bits=4,
+               description="FP32 parameters and arithmetic, 4-bit block-quantized states"),
+        Config("fp16-kahan-8bit", torch.float16, kahan=True, state_bits=8,
+               description="FP16 parameters plus an FP16 Kahan compensation buffer, 8-bit block-quantized "
+                           "states, FP32 arithmetic"),
+        Config("fp16-kahan-4bit", torch.float16, kahan=True, state_bits=4,
+               description="FP16 parameters plus an FP16 Kahan compensation buffer, 4-bit block-quantized "
+                           "states, FP32 arithmetic"),
     )
 }
 

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from dml_optim.optimizers import registry
 from dml_optim.precision.configs import Config
+from dml_optim.quant import BLOCK, format_for
 from dml_optim.precision.metrics import smallest_subnormal
 from dml_optim.precision.optimizers import epsilon_name, second_moment
 from dml_optim.precision.report import Report, Result, fmt
@@ -45,7 +47,9 @@ def findings(report: Report, numel: dict[str, int]) -> list[str]:
         rows = [r for r in report.results if r.stream == stream["name"]]
         if rows:
             out += _summary_findings(report, stream, rows, by)
-        out += [_kahan_finding(r, configs[r.config], by) for r in rows if configs[r.config].kahan]
+        out += [_kahan_finding(r, configs[r.config], by) for r in rows
+                if configs[r.config].kahan and not configs[r.config].state_bits]
+        out += [_low_bit_finding(report, r, configs[r.config], by) for r in rows if configs[r.config].state_bits]
         underflow: dict[torch.dtype, tuple[float, list[str]]] = {}
         for r in rows:
             cfg, m = configs[r.config], r.metrics
@@ -100,6 +104,33 @@ def _summary_findings(report: Report, stream: dict[str, Any], rows: list[Result]
                      + ") before the FP32 update sees them.")
         out.append(text)
     return out
+
+
+def _low_bit_finding(report: Report, r: Result, cfg: Config, by) -> str:
+    """A quantized-state configuration against the same storage of parameters with full-precision states."""
+    m = r.metrics
+    bits = cfg.state_bits
+    where = f"`{r.config}` ({r.stream} stream)"
+    if not math.isfinite(m["final_rel_error"]):
+        return f"{where}: parameters became NaN or inf (first at step {m['first_nonfinite_step']})."
+    per_state = bits / 8 + 4 / BLOCK[bits]
+    states = len(registry.get(report.optimizer).state_names)
+    text = (f"{where}: states stored in {bits} bits per value (blocks of {BLOCK[bits]} sharing one FP32 scale: "
+            f"{states * per_state:.3g} bytes per parameter for {states} state{'s' * (states > 1)}, instead of "
+            f"{4 * states} in FP32) end at relative error {fmt(m['final_rel_error'])}")
+    full = by.get(("fp16-kahan" if cfg.kahan else "fp32", r.stream))
+    if _finite_error(full):
+        text += f", against {fmt(full.metrics['final_rel_error'])} for `{full.config}` (the same with FP32 states)"
+    if m["final_loss"] is not None and _finite_error(full):
+        text += f"; final training loss {fmt(m['final_loss'])} (`{full.config}` {fmt(full.metrics['final_loss'])})"
+    signed, unsigned = format_for(bits, True), format_for(bits, False)
+    spans = (f"the first moment's code spans {signed.decades} decades below its block's largest value"
+             + (f", the second moment's {unsigned.decades}" if unsigned.kind == "de"
+                else f", the second moment's {2**bits} evenly spaced levels 1/{2**bits} apart"))
+    return text + (f". Each value is rounded to the nearest of its code's {2**bits} levels relative to "
+                   f"the largest value of its block ({spans}), so a block holding values of very different sizes "
+                   "stores its small values coarsely: the quantization error, not the arithmetic, is what separates "
+                   "this configuration from FP32.")
 
 
 def _kahan_finding(r: Result, cfg: Config, by) -> str:

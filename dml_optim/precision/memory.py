@@ -21,6 +21,7 @@ import torch
 from dml_optim import toy
 from dml_optim.precision.configs import CONFIGS, Config
 from dml_optim.precision.optimizers import make_optimizer
+from dml_optim.quant import tensors_of
 
 __all__ = ["HIDDEN", "OPTIMIZERS", "Footprint", "measure", "memory_table"]
 
@@ -68,13 +69,13 @@ def measure(optimizer: str, config: Config, hidden: int = HIDDEN) -> Footprint:
         p.grad = torch.randn(p.shape, generator=gen).mul_(1e-3).to(config.param_dtype)
     opt.step()
     buffers = opt.flat_buffers()
-    n = sum(b.numel for b in buffers)
+    n = sum(p.numel() for p in params)  # parameters (a quantized buffer adds padding: counted as memory)
     per = lambda tensors: _bytes(tensors) / n
     return Footprint(
         optimizer, config.name, n,
         params=per(b.data for b in buffers),
         grads=per(b.grad for b in buffers),
-        states=per(t for b in buffers for t in b.states.values()),
+        states=per(t for b in buffers for s in b.states.values() for t in tensors_of(s)),
         master=per(b.master for b in buffers),
         kahan=per(b.kahan for b in buffers),
         scratch=per(t for b in buffers for t in b.scratch),

@@ -36,22 +36,54 @@ __all__ = ["compare", "run_stream"]
 
 
 class _Run:
-    """One optimizer fed the stream, with what the metrics accumulate over the steps."""
+    """One optimizer fed the stream, with what the metrics accumulate over the steps.
+
+    The parameters, gradients and states are read as one flat vector in the
+    stream's order: the optimizer's own flat buffer when it has one without
+    padding (no copy), else the concatenation of the parameters (quantized
+    states put parameters of 4096 elements or more in a buffer of their own,
+    with padding: ``state_bits``).
+    """
 
     def __init__(self, config: Config, opt: FlatOptimizer):
-        opt.attach_grads()  # every p.grad becomes a view of the flat gradient buffer
-        if len(opt.flat_buffers()) != 1:
-            raise RuntimeError("precision: expected one flat buffer per optimizer")
+        opt.attach_grads()  # every p.grad becomes a view of a flat gradient buffer
         self.config, self.opt = config, opt
-        self.prev = self.flat.data.clone()
+        self.params = [p for group in opt.param_groups for p in group["params"]]
+        infos = opt.flat_buffers()
+        self._flat = len(infos) == 1 and infos[0].numel == sum(p.numel() for p in self.params)
+        self.prev = self.data().clone()
         self.curve: list[float] = []
         self.lost = self.moved = self.underflow = 0
         self.first_nonfinite: int | None = None
 
-    @property
-    def flat(self):
-        """The optimizer's one flat buffer, as it is now (states appear at the first step)."""
-        return self.opt.flat_buffers()[0]
+    def data(self) -> torch.Tensor:
+        """The parameters, flat, in the stream's order (a view of the buffer when it is one)."""
+        if self._flat:
+            return self.opt.flat_buffers()[0].data
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def set_grad(self, g: torch.Tensor) -> None:
+        """Write the stream's flat gradient (rounded to each gradient's dtype, as autograd stores it)."""
+        if self._flat:
+            self.opt.flat_buffers()[0].grad.copy_(g)
+            return
+        a = 0
+        for p in self.params:
+            p.grad.copy_(g[a : a + p.numel()].view(p.shape))
+            a += p.numel()
+
+    def grad(self) -> torch.Tensor:
+        if self._flat:
+            return self.opt.flat_buffers()[0].grad
+        return torch.cat([p.grad.reshape(-1) for p in self.params])
+
+    def state(self, name: str) -> torch.Tensor:
+        """A state's values, flat in the stream's order (quantized states decoded)."""
+        if self._flat:
+            s = self.opt.flat_buffers()[0].states[name]
+            if isinstance(s, torch.Tensor):
+                return s
+        return torch.cat([self.opt.state[p][name].reshape(-1) for p in self.params])
 
 
 def run_stream(optimizer: str, stream: Stream, configs: Sequence[Config], *,
@@ -75,9 +107,9 @@ def run_stream(optimizer: str, stream: Stream, configs: Sequence[Config], *,
     for t in range(1, stream.steps + 1):
         g = stream.grad(t)
         nonzero = g != 0
-        ref.flat.grad.copy_(g)
+        ref.set_grad(g)
         ref.opt.step()
-        r = ref.flat.data
+        r = ref.data()
         ref_sq = squared_norm(r)
         for run in runs:
             _step_run(run, g, nonzero, r, ref.prev, ref_sq, t)
@@ -85,16 +117,15 @@ def run_stream(optimizer: str, stream: Stream, configs: Sequence[Config], *,
         if progress is not None:
             progress(t)
     results = [Result(run.config.name, stream.name, _final_metrics(optimizer, run, ref, stream), run.curve) for run in runs]
-    ref_loss = stream.loss(ref.flat.data.float()) if stream.loss is not None else None
+    ref_loss = stream.loss(ref.data().float()) if stream.loss is not None else None
     return results, skipped, ref_loss
 
 
 def _step_run(run: _Run, g: torch.Tensor, nonzero: torch.Tensor, r: torch.Tensor, r_prev: torch.Tensor, ref_sq: float, t: int) -> None:
-    flat = run.flat
-    flat.grad.copy_(g)
-    run.underflow += int((nonzero & (flat.grad == 0)).sum())
+    run.set_grad(g)
+    run.underflow += int((nonzero & (run.grad() == 0)).sum())
     run.opt.step()
-    x = flat.data
+    x = run.data()
     for s in chunks(x.numel()):
         lost, moved = lost_updates(run.prev[s], x[s], r_prev[s], r[s])
         run.lost += lost
@@ -106,7 +137,7 @@ def _step_run(run: _Run, g: torch.Tensor, nonzero: torch.Tensor, r: torch.Tensor
 
 
 def _final_metrics(optimizer: str, run: _Run, ref: _Run, stream: Stream) -> dict[str, Any]:
-    x, r = run.flat.data, ref.flat.data
+    x, r = run.data(), ref.data()
     n = x.numel()
     rel = torch.empty(n, dtype=torch.float32)
     max_ulp = 0
@@ -117,7 +148,7 @@ def _final_metrics(optimizer: str, run: _Run, ref: _Run, stream: Stream) -> dict
     state_name, _ = second_moment(optimizer)
     flushed = None
     if state_name is not None:
-        f, nz = flushed_entries(run.flat.states[state_name], ref.flat.states[state_name])
+        f, nz = flushed_entries(run.state(state_name), ref.state(state_name))
         flushed = f / nz if nz else 0.0
     total_grads = stream.steps * n
     return {
