@@ -360,14 +360,18 @@ class KernelRunner:
             flat.counter.ensure_tensors(flat.device)
         start, end = flat.segment(c.first, c.stop)
         whole = start == 0 and end == flat.numel
-        cut = (lambda t: t) if whole else (lambda t: t[start:end])
+        if flat.bits:  # every operand as (blocks, block): one row count for the whole kernel (and no modulo)
+            cut = lambda t: t[start:end].view(-1, flat.align) if isinstance(t, torch.Tensor) else t[start:end]  # noqa: E731
+        else:
+            cut = (lambda t: t) if whole else (lambda t: t[start:end])
         x = flat.master if flat.master is not None else flat.data
         args = [cut(x), cut(flat.grad)]
         for n in cls.group_state_names(group):
             state = cut(flat.states[n])
             if isinstance(state, QuantizedState):
                 warm_tables(state.format, key[3], flat.device)
-                args += state.tensors()
+                per_byte = 2 if state.format.bits == 4 else 1
+                args += [state.codes.view(-1, flat.align // per_byte), state.scales]
             else:
                 args.append(state)
         if flat.master is not None:

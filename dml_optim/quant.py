@@ -193,7 +193,8 @@ def _decade_tables(fmt: StateFormat, dtype: torch.dtype, device: torch.device):
 
 
 def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return table.index_select(0, index.reshape(-1)).view(index.shape)
+    """``table[index]`` elementwise (``aten::index``: native on DirectML, and a compiled kernel loads it in place)."""
+    return table[index]
 
 
 # -- encode / decode -----------------------------------------------------------------------------
@@ -245,24 +246,25 @@ def encode_(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt
     if fmt.signed:
         k = k * torch.sign(v) + 2 ** (fmt.bits - 1)
     if fmt.bits == 4:
-        pairs = k.reshape(-1, 2)
-        k = pairs[:, 0] + pairs[:, 1] * 16
-    codes.copy_(k.reshape(codes.shape))
-    scales.copy_(absmax.reshape(scales.shape))
+        k = k[:, 0::2] + k[:, 1::2] * 16
+    codes.view(-1, k.shape[1]).copy_(k)  # (2-D end to end: a compiled kernel indexes it without a modulo)
+    scales.view(-1, 1).copy_(absmax)
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, dtype: torch.dtype,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The values of ``codes``/``scales`` in ``dtype`` (into ``out`` when given: a 1-D tensor of whole blocks)."""
-    index = codes.to(torch.int32)
+    per_byte = 2 if fmt.bits == 4 else 1
+    index = codes.view(-1, fmt.block // per_byte).to(torch.int32)
     if fmt.bits == 4:
         high = torch.div(index, 16, rounding_mode="floor")
-        index = torch.stack((index - high * 16, high), dim=-1)
+        index = torch.stack((index - high * 16, high), dim=-1).view(-1, fmt.block)
     table = _table(f"{fmt.name}/levels", fmt.levels(), dtype, codes.device)
-    values = _gather(table, index).reshape(-1, fmt.block) * scales.reshape(-1, 1).to(dtype)
-    if out is None:
-        return values.reshape(-1)
-    return out.copy_(values.reshape(-1))
+    values = _gather(table, index) * scales.view(-1, 1).to(dtype)
+    if out is None:  # 1-D codes give 1-D values; codes shaped (blocks, ...) give (blocks, block)
+        return values.view(-1) if codes.dim() == 1 else values
+    out.view(-1, fmt.block).copy_(values)
+    return out
 
 
 # -- the storage object --------------------------------------------------------------------------

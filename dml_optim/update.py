@@ -144,10 +144,10 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     gs = up(g)
     ss = [up(s) for s in states]
     cls.rule(xs, gs, *ss, scratch=scratch, **scalars)
-    mask = block_mask(valid, len(x) // len(valid)) if valid is not None else None
+    mask = block_mask(valid, x.numel() // valid.numel()) if valid is not None else None
     if mask is not None:  # an epsilon of 0 makes padding 0/0: it stays 0 (it feeds the L2 term)
         if fused:
-            xs = torch.where(mask.reshape(-1), xs, torch.zeros((), dtype=xs.dtype, device=xs.device))
+            xs = torch.where(mask.view(xs.shape), xs, torch.zeros((), dtype=xs.dtype, device=xs.device))
         else:
             xs.view(mask.shape).masked_fill_(mask.logical_not(), 0)
     for s, c in zip(states, ss):
