@@ -54,7 +54,9 @@ def zero_state_dict(zero) -> dict[str, Any]:
     _check_zero(zero)
     state_dict = zero.state_dict()
     if isinstance(zero.optim, FlatOptimizer):
-        state_dict["dml_optim"] = {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(zero.optim).__name__}
+        from dml_optim.optimizers.state_dict import marker
+
+        state_dict["dml_optim"] = marker(zero.optim, state_dict["state"])
     return state_dict
 
 

@@ -48,22 +48,32 @@ PAIRS = {
              lambda p: torch.optim.Adam(p, lr=1e-2, eps=0.0)),
     "adamw": (lambda p: dml_optim.AdamW(p, lr=1e-2, weight_decay=0.1),
               lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+    # 8-bit states over DTensor shards (the twin keeps FP32 states: compared within the quantization's reach)
+    "adamw-8bit": (lambda p: dml_optim.AdamW(p, lr=1e-2, weight_decay=0.1, state_bits=8),
+                   lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
 }
 EXACT = {"momentum"}
+#: input width and first layer's rows: the 8-bit run's first weight (64 x 201) keeps 6432 elements per rank,
+#: enough to be quantized (>= 4096); the others' 13 rows do not split evenly over two ranks (FSDP2 pads it)
+WIDTHS = {"adamw-8bit": (64, 201)}
+#: the 8-bit run against torch's FP32 states: an Adam step moves an element by about lr at most, and the
+#: quantized states change that step by a fraction (about 1% of a state at the top of its decade, more for
+#: values far below their block's maximum): within a tenth of lr per step, over 6 steps (observed 3.7e-3)
+LOW_BIT = {"adamw-8bit": dict(rtol=2e-2, atol=0.1 * 1e-2 * STEPS)}
 
 
-def plain_model() -> torch.nn.Module:
+def plain_model(name: str | None = None) -> torch.nn.Module:
     torch.manual_seed(0)
-    # 13 rows: the first Linear's weight does not split evenly over two ranks (FSDP2 pads it)
-    return torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5), torch.nn.Tanh(),
+    width, rows = WIDTHS.get(name, (8, 13))
+    return torch.nn.Sequential(torch.nn.Linear(width, rows), torch.nn.Tanh(), torch.nn.Linear(rows, 5), torch.nn.Tanh(),
                                torch.nn.Linear(5, 3))
 
 
-def batches(rank: int) -> list[torch.Tensor]:
+def batches(rank: int, name: str | None = None) -> list[torch.Tensor]:
     out = []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 + step * WORLD + rank)
-        out.append(torch.randn(ROWS_PER_RANK, 8, generator=g))
+        out.append(torch.randn(ROWS_PER_RANK, WIDTHS.get(name, (8,))[0], generator=g))
     return out
 
 
@@ -87,10 +97,10 @@ def train(model, opt, xs) -> None:
 # -- the worker (runs in each of the two processes) ------------------------------
 
 
-def _sharded_model():
+def _sharded_model(name: str | None = None):
     from torch.distributed.fsdp import fully_shard
 
-    model = plain_model()
+    model = plain_model(name)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
@@ -110,12 +120,12 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
     from torch.distributed.tensor import DTensor
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    xs = batches(rank)
     facts = {}
     try:
         for name, makers in PAIRS.items():
+            xs = batches(rank, name)
             for side, make in zip(("ours", "torch"), makers):
-                model = _sharded_model()
+                model = _sharded_model(name)
                 opt = make(model.parameters())
                 train(model, opt, xs)
                 full = [p.full_tensor() for p in model.parameters()]
@@ -132,10 +142,12 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
                         "local_numel": sum(p.to_local().numel() for p in model.parameters()),
                         "state_types": sorted({type(v).__name__ for s in sd["state"].values()
                                                for k, v in s.items() if k != "step"}),
+                        "quantized_buffers": sum(1 for b in opt.flat_buffers()
+                                                 if any(type(v).__name__ == "QuantizedState" for v in b.states.values())),
                     }
 
                 # checkpoint mid-run through torch.distributed.checkpoint, resume in a fresh model and optimizer
-                model = _sharded_model()
+                model = _sharded_model(name)
                 opt = make(model.parameters())
                 train(model, opt, xs[:RESUME_AT])
                 model_sd, optim_sd = get_state_dict(model, opt)
@@ -144,7 +156,7 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
                 folder = out / f"ckpt-{name}-{side}"
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
                 del model, opt
-                model = _sharded_model()
+                model = _sharded_model(name)
                 opt = make(model.parameters())
                 model_sd, optim_sd = get_state_dict(model, opt)
                 loaded = {"model": model_sd, "optim": optim_sd}
@@ -194,7 +206,9 @@ if __name__ != "__main__":
         from tolerances import TORCH_ADAM_FLOAT32
 
         for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            if name in EXACT:
+            if name in LOW_BIT:
+                torch.testing.assert_close(a, e, **LOW_BIT[name], msg=lambda m, i=i: f"{name} {what} tensor {i}: {m}")
+            elif name in EXACT:
                 assert torch.equal(a, e), f"{name} {what} tensor {i}: max |diff| {(a - e).abs().max().item()}"
             else:
                 torch.testing.assert_close(a, e, **TORCH_ADAM_FLOAT32,
@@ -204,20 +218,20 @@ if __name__ != "__main__":
     def test_fully_shard_then_ours_trains_like_torch(job, name):
         """``fully_shard`` on 2 gloo ranks, then ``dml_optim.X(model.parameters())``: equal to torch.optim."""
         ours, theirs = _load(job, name, "ours"), _load(job, name, "torch")
-        assert any(not torch.equal(a, b) for a, b in zip(ours, plain_model().parameters())), "never moved"
+        assert any(not torch.equal(a, b) for a, b in zip(ours, plain_model(name).parameters())), "never moved"
         _same(name, ours, theirs, "ours vs torch.optim under FSDP2")
 
     @pytest.mark.parametrize("name", list(PAIRS))
     def test_fsdp_equals_one_process_on_the_global_batch(job, name):
         """FSDP2 averages the ranks' gradients: one process on both ranks' rows takes the same steps."""
-        model = plain_model()
-        opt = PAIRS[name][1](model.parameters())
-        per_rank = [batches(r) for r in range(WORLD)]
+        model = plain_model(name)
+        opt = PAIRS[name][0](model.parameters())
+        per_rank = [batches(r, name) for r in range(WORLD)]
         train(model, opt, [torch.cat(xs) for xs in zip(*per_rank)])
         from tolerances import TOL
 
         for a, e in zip(_load(job, name, "ours"), model.parameters(), strict=True):
-            torch.testing.assert_close(a, e.detach(), **TOL[torch.float32])
+            torch.testing.assert_close(a, e.detach(), **LOW_BIT.get(name, TOL[torch.float32]))
 
     @pytest.mark.parametrize("side", ["ours", "torch"])
     @pytest.mark.parametrize("name", list(PAIRS))
@@ -234,7 +248,7 @@ if __name__ != "__main__":
         same parameters, state names and full shapes, the same values (to the pair's tolerance)."""
         ours = torch.load(job / f"{name}.ours.full-optim.pt", weights_only=True)
         theirs = torch.load(job / f"{name}.torch.full-optim.pt", weights_only=True)
-        shapes = {n: p.shape for n, p in plain_model().named_parameters()}
+        shapes = {n: p.shape for n, p in plain_model(name).named_parameters()}
         assert sorted(ours) == sorted(theirs) == sorted(shapes)
         for fqn, state in ours.items():
             # our Momentum keeps a step count (ONNX Momentum's T: the first step is not damped); SGD has none
@@ -251,9 +265,14 @@ if __name__ != "__main__":
         for r in range(WORLD):
             facts = json.loads((job / f"facts.rank{r}.json").read_text())[name]
             assert facts["params_are_dtensors"]
-            assert facts["flat_numel"] == facts["local_numel"], facts  # the local shards, not the full tensors
+            if name in LOW_BIT:  # the local shards, padded to whole blocks of 256 where quantized
+                assert 0 <= facts["flat_numel"] - facts["local_numel"] < 256, facts
+            else:
+                assert facts["flat_numel"] == facts["local_numel"], facts  # the local shards, not the full tensors
             assert facts["state_types"] == ["DTensor"], facts  # opt.state_dict(): sharded states
             assert facts["ours_dcp_state_types"] == facts["torch_dcp_state_types"] == ["DTensor"], facts
+            # 8-bit: the large weight's shard is quantized on every rank (saved decoded, as DTensors)
+            assert facts["quantized_buffers"] == (1 if name in LOW_BIT else 0), facts
 
 else:
     parser = argparse.ArgumentParser()

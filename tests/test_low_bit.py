@@ -430,3 +430,37 @@ def test_a_low_bit_step_is_native_on_directml_without_syncs_and_independent_of_t
         assert report.host_syncs == 0
         counts.append(report.total_ops)
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_an_atomic_step_that_fails_mid_way_restores_the_quantized_state(bits):
+    """``atomic=True``: the rule raises after its first call (the quantized buffer was written, the
+    full-precision one not yet): parameters, codes and scales are restored bit for bit."""
+    model = _model()
+    opt = _build("adamw", model, bits, atomic=True)
+    _train(model, opt, _batches(2))
+    params = [p.detach().clone() for p in model.parameters()]
+    state = _state_snapshot(opt)
+    x, y = _batches(1, seed=7)[0]
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    cls = type(opt)
+    real = cls.__dict__["rule"]
+    calls = []
+
+    def failing(*args, **kwargs):
+        real.__func__(*args, **kwargs)
+        calls.append(1)
+        raise RuntimeError("injected failure")
+
+    cls.rule = staticmethod(failing)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            opt.step()
+    finally:
+        cls.rule = real
+    assert calls == [1]
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p.detach(), q)
+    for a, b in zip(_state_snapshot(opt), state):
+        assert torch.equal(a, b)

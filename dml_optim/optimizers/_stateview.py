@@ -27,8 +27,9 @@ from typing import Any, Iterator
 
 import torch
 
-from dml_optim.flat import local_tensor, store_param_piece
-from dml_optim.optimizers.state_dict import EXTRA_STATES, param_state
+from dml_optim.flat import local_tensor, param_piece, store_param_piece
+from dml_optim.optimizers.state_dict import ABSMAX, CODES, EXTRA_STATES, param_state
+from dml_optim.quant import QuantizedState
 
 __all__ = ["StateView", "ParamStateView"]
 
@@ -60,6 +61,22 @@ class ParamStateView(dict):
             counts = flat.counter.counts()
             counts[i] = int(count)
             flat.counter.set_counts(counts)
+        elif key.endswith((CODES, ABSMAX)) and key[: -len(CODES if key.endswith(CODES) else ABSMAX)] in names:
+            # a quantized state's codes or scales, as a state dict holds them (ZeRO's load_state_dict
+            # assigns them back one by one): copied into the parameter's blocks, bit for bit
+            name = key[: -len(CODES if key.endswith(CODES) else ABSMAX)]
+            opt._ensure_state(group, flat)
+            state = flat.states[name]
+            if not isinstance(state, QuantizedState):
+                raise KeyError(f"state[{key!r}]: {name!r} is not quantized in this optimizer (state_bits)")
+            piece = param_piece(flat, state, i)
+            target = piece.codes if key.endswith(CODES) else piece.scales
+            value_local = local_tensor(value) if isinstance(value, torch.Tensor) else value
+            if not isinstance(value_local, torch.Tensor) or value_local.shape != target.shape:
+                got = tuple(value_local.shape) if isinstance(value_local, torch.Tensor) else type(value).__name__
+                raise ValueError(f"state[{key!r}] must be a tensor of shape {tuple(target.shape)}, got {got}")
+            with torch.no_grad():
+                target.copy_(value_local)
         elif key in names or (key in EXTRA_STATES and extras[key] is not None):
             shape = flat.shapes[i]
             value_local = local_tensor(value) if isinstance(value, torch.Tensor) else value

@@ -69,7 +69,7 @@ from dml_optim.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES
                                dtype_option)
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS, sync_group
 
-__all__ = ["save", "load", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES", "CODES", "ABSMAX", "QUANTIZATION"]
+__all__ = ["save", "load", "marker", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES", "CODES", "ABSMAX", "QUANTIZATION"]
 
 _TOP_KEYS = {"state", "param_groups", "dml_optim"}
 #: Param-group keys that learning-rate schedulers add; they load as they are.
@@ -144,10 +144,16 @@ def save(opt) -> dict[str, Any]:
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(packed)
-    meta = {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(opt).__name__}
-    if any(k.endswith(CODES) for entry in state.values() for k in entry):
+    return {"state": state, "param_groups": groups, "dml_optim": marker(opt, state)}
+
+
+def marker(opt, state: dict) -> dict[str, Any]:
+    """The ``dml_optim`` entry of a state dict of ``opt`` whose ``state`` is given (the codebook's name when
+    it holds quantized states)."""
+    meta: dict[str, Any] = {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(opt).__name__}
+    if any(isinstance(k, str) and k.endswith(CODES) for entry in state.values() if isinstance(entry, dict) for k in entry):
         meta["quantization"] = QUANTIZATION
-    return {"state": state, "param_groups": groups, "dml_optim": meta}
+    return meta
 
 
 def _fail(message: str, exc=ValueError):
