@@ -193,8 +193,17 @@ def _decade_tables(fmt: StateFormat, dtype: torch.dtype, device: torch.device):
 
 
 def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table[index]`` elementwise (``aten::index``: native on DirectML, and a compiled kernel loads it in place)."""
-    return table[index]
+    """``table[index]`` elementwise: ``index_select`` eagerly (7x faster than advanced indexing on the CPU),
+    ``aten::index`` when compiled (the kernel loads the table in place; an ``index_select`` over the
+    flattened index makes inductor index the output modulo the row count).  Both are native on DirectML."""
+    if _compiling():
+        return table[index]
+    return table.index_select(0, index.reshape(-1)).view(index.shape)
+
+
+def _compiling() -> bool:
+    check = getattr(torch.compiler, "is_compiling", None)
+    return bool(check and check())
 
 
 # -- encode / decode -----------------------------------------------------------------------------

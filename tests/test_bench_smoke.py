@@ -151,9 +151,9 @@ def test_what_a_run_leaves_out_is_listed_with_the_reason():
     assert plan.rows == ("host",) and [t.row for t in plan.tasks] == ["host"]  # graph: not an error, left out
     reasons = {n["what"]: n["reason"] for n in plan.not_measured}
     assert reasons.pop("graph").startswith("CUDA only: ")
-    assert set(reasons) == {"memory", "instances", "frozen", "speed"}
+    assert set(reasons) == {"memory", "instances", "frozen", "lowbit", "speed"}
     assert compiled.compile_available("cpu")[0] is (reasons["instances"] == "not selected (--rows)")
-    assert {reasons[r] for r in ("memory", "frozen", "speed")} == {"not selected (--rows)"}
+    assert {reasons[r] for r in ("memory", "frozen", "lowbit", "speed")} == {"not selected (--rows)"}
     cuda = {n["what"]: n["reason"] for n in not_measured(torch.device("cuda"), benchmark.default_rows("cuda"))}
     assert "measured by a CPU run" in cuda["host"]
     assert not {"graph", "kernel time", "copy bandwidth"} & set(cuda)
@@ -256,3 +256,30 @@ def test_the_cpu_construction_target_is_one_copy_plus_the_largest_tensor():
     assert memory_limit(torch.device("cpu"), share) == 1.36
     assert memory_limit(torch.device("cuda"), share) == 1.25
     assert memory_limit(torch.device("cpu"), 0.08) == 1.25
+
+
+def test_the_low_bit_row_measures_ours_and_says_which_peers_are_missing(monkeypatch):
+    """The low-bit row at its quick size: every candidate available or 'not installed', state bytes read from
+    each optimizer's own tensors (ours: codes + scales of one 1M tensor, exactly 2 * (1 + 4/256) and
+    2 * (1/2 + 4/128)), and its target in the document."""
+    import importlib.util
+
+    from dml_optim.benchmark import lowbit
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    from dml_optim.benchmark.run import settings_for
+
+    settings = dict(settings_for("cpu", True), rounds=1, min_rounds=1, warmup=0, max_inner=1)
+    record = lowbit.measure_lowbit(torch.device("cpu"), torch.float32, settings, lambda m: None, quick=True)
+    rows = {r["candidate"]: r for r in record["rows"]}
+    assert set(rows) == set(lowbit.CANDIDATES)
+    assert rows["dml_optim 8-bit"]["state_bytes_per_param"] == 2 * (1 + 4 / 256)
+    assert rows["dml_optim 4-bit"]["state_bytes_per_param"] == 2 * (0.5 + 4 / 128)
+    assert rows["torch fused"]["state_bytes_per_param"] == 8
+    assert rows["torchao AdamW4bit"]["reason"].startswith("not installed")
+    assert rows["dml_optim 8-bit"]["ratio_to_fused"] > 0
+    doc = {"device": "cpu", "results": [], "references": [], "lowbit": [record]}
+    (target,) = [t for t in benchmark.check_targets(doc) if "8-bit" in t["target"]]
+    assert target["target"] == "one-1m AdamW 8-bit >= 1.0x bitsandbytes AdamW8bit"
+    assert (target["status"] == "not measured") is (not rows["bitsandbytes AdamW8bit"]["available"])

@@ -74,6 +74,15 @@ def test_every_configuration_is_expected():
     assert set(EXPECTED) == set(CONFIGS)
 
 
+def test_readme_training_bytes_table_is_the_measured_one(footprints):
+    # regenerate with: python -m dml_optim.precision.memory training
+    from dml_optim.precision.memory import TRAINING_CONFIGS, training_bytes_table
+
+    match = re.search(r"<!-- TRAINING-BYTES -->\n(.*?)\n<!-- /TRAINING-BYTES -->", README.read_text(), flags=re.S)
+    assert match, "README.md has no <!-- TRAINING-BYTES --> block"
+    assert match.group(1) == training_bytes_table([measure("adamw", CONFIGS[c]) for c in TRAINING_CONFIGS])
+
+
 def test_readme_table_is_the_measured_one(footprints):
     # regenerate with: python -m dml_optim.precision.memory
     assert _readme_block() == memory_table(list(footprints.values()))

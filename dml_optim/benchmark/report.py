@@ -21,6 +21,7 @@ from dml_optim.benchmark.targets import reference, speed_row
 from dml_optim.console import DEFAULT_OUTPUT_DIR
 
 __all__ = ["format_report", "format_summary", "memory_table", "graph_table", "instances_table", "host_table",
+           "lowbit_table",
            "targets_table", "not_measured_lines", "default_output_path", "write_json"]
 
 
@@ -118,6 +119,21 @@ def host_table(doc: dict[str, Any]) -> list[str]:
                     f"{_f(r.get('ops_many_full'), 'd')} / {_f(r.get('ops_one'), 'd')}"] for r in doc["host_work"]], 1)
 
 
+def lowbit_table(doc: dict[str, Any]) -> list[str]:
+    """The low-bit row: AdamW's step and state per parameter, ours at 8 and 4 bits beside torch and the peers."""
+    if not doc.get("lowbit"):
+        return []
+    out = []
+    for record in doc["lowbit"]:
+        out += _table([f"AdamW, {record['workload']}", "ms per step", "vs torch fused", "state bytes per parameter",
+                       "note"],
+                      [[r["candidate"], _f(r["ms_per_step"], ".2f"), _f(r["ratio_to_fused"], ".2f", "x"),
+                        _f(r["state_bytes_per_param"], ".3g"),
+                        (f"backend {r['backend']}" if r.get("backend") else "") if r["available"] else r["reason"]]
+                       for r in record["rows"]], 3, 1)
+    return out
+
+
 def _measured(t: dict[str, Any]) -> str:
     value = t["measured"]
     if value is None:
@@ -147,6 +163,7 @@ def _failures(doc: dict[str, Any]) -> list[str]:
 def format_report(doc: dict[str, Any]) -> str:
     """Every section of ``doc`` as markdown tables, then failures and the targets."""
     parts = [[_header(doc)], _speed(doc), memory_table(doc), graph_table(doc), instances_table(doc), host_table(doc),
+             lowbit_table(doc),
              _failures(doc), not_measured_lines(doc), targets_table(doc)]
     return "\n\n".join("\n".join(p) for p in parts if p)
 

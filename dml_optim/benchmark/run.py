@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dml_optim.benchmark import frozen, graphs, host, memory, speed
+from dml_optim.benchmark import frozen, graphs, host, lowbit, memory, speed
 from dml_optim.benchmark.candidates import CANDIDATES, OPTIMIZERS
 from dml_optim.benchmark.common import error_text, free
 from dml_optim.benchmark.machine import describe, load_average
@@ -35,11 +35,11 @@ __all__ = ["ROWS", "SCHEMA", "default_rows", "unmeasurable", "not_measured", "se
            "new_document", "run_plan"]
 
 #: The rows, in the order a run measures them.
-ROWS = ("memory", "graph", "instances", "frozen", "host", "speed")
+ROWS = ("memory", "graph", "instances", "frozen", "host", "lowbit", "speed")
 #: Version of the result document's layout (``bench/README.md``).
 SCHEMA = 2
-_DEFAULT_ROWS = {"cpu": ("memory", "instances", "frozen", "host", "speed"),
-                 "cuda": ("memory", "graph", "instances", "frozen", "speed")}
+_DEFAULT_ROWS = {"cpu": ("memory", "instances", "frozen", "host", "lowbit", "speed"),
+                 "cuda": ("memory", "graph", "instances", "frozen", "lowbit", "speed")}
 
 
 def default_rows(device_type: str) -> tuple[str, ...]:
@@ -196,6 +196,9 @@ def _tasks(plan: Plan) -> list[Task]:
         for o in plan.optimizers:
             tasks.append(Task("host", f"host work: {o}, 2000x16 vs 1x32000 (cpu, 1 thread)", lambda doc, log, o=o:
                               doc["host_work"].append(host.measure_host_work(o, cpu_settings, log))))
+    if "lowbit" in plan.rows:
+        tasks.append(Task("lowbit", "low-bit: AdamW 8-bit and 4-bit beside torch fused and the peers", lambda doc, log:
+                          doc["lowbit"].append(lowbit.measure_lowbit(dev, dtype, s, log, quick=quick))))
     if "speed" in plan.rows:
         for work in plan.workloads:
             for o in plan.optimizers:
@@ -228,7 +231,7 @@ def new_document(plan: Plan) -> dict[str, Any]:
         "optimizers": list(plan.optimizers),
         "candidates": list(CANDIDATES),
         "workloads": [w.describe() for w in works],
-        "results": [], "references": [], "memory": [], "graphs": [], "instances": [], "host_work": [],
+        "results": [], "references": [], "memory": [], "graphs": [], "instances": [], "host_work": [], "lowbit": [],
         "errors": [], "skipped": [], "not_measured": plan.not_measured, "elapsed_s": 0.0, "targets": [],
     }
 

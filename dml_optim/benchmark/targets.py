@@ -79,6 +79,13 @@ def check_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         for checks in ("full", "fast"):
             add(f"host work, {_TITLE.get(row['optimizer'], row['optimizer'])}: 2000x16 <= {row['limit']:g}x 1x32000 "
                 f"(checks={checks})", row["limit"], "<=", "x", row[f"ratio_{checks}"], "eager")
+    for record in doc.get("lowbit", []):
+        rows = {r["candidate"]: r for r in record["rows"]}
+        ours, peer = rows["dml_optim 8-bit"], rows["bitsandbytes AdamW8bit" if device == "cpu" else "torch fused"]
+        label = "bitsandbytes AdamW8bit" if device == "cpu" else "torch fused FP32 AdamW"
+        value = (peer["ms_per_step"] / ours["ms_per_step"]
+                 if ours["ms_per_step"] is not None and peer["ms_per_step"] is not None else None)
+        add(f"{record['workload']} AdamW 8-bit >= 1.0x {label}", 1.0, ">=", "x", value, ours.get("backend"))
     for row in doc.get("instances", []):
         add(f"12th compiled Adam instance <= {row['limit']:g}x the 2nd", row["limit"], "<=", "x", row["ratio"], "compiled")
     for graph in doc.get("graphs", []):

@@ -102,5 +102,25 @@ def memory_table(rows: Sequence[Footprint] | None = None) -> str:
     return "\n".join(lines)
 
 
+#: The configurations a DirectML user chooses between, best accuracy first (the README's training-bytes table).
+TRAINING_CONFIGS = ("fp32", "fp16-master", "fp16-kahan", "fp32-8bit", "fp32-4bit", "fp16-kahan-8bit", "fp16-kahan-4bit")
+
+
+def training_bytes_table(rows: Sequence[Footprint] | None = None) -> str:
+    """The README's table of whole-training bytes per parameter (parameters, gradients, optimizer state and
+    master copy or compensation; the bounded scratch left out) of AdamW in :data:`TRAINING_CONFIGS`."""
+    rows = rows if rows is not None else [measure("adamw", CONFIGS[c]) for c in TRAINING_CONFIGS]
+    lines = ["| AdamW configuration | parameters | gradients | optimizer state | master copy or compensation | "
+             "bytes per parameter | 1B parameters need |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for f in rows:
+        lines.append(f"| `{f.config}`: {CONFIGS[f.config].description} | {_cell(f.params)} | {_cell(f.grads)} | "
+                     f"{_cell(f.states)} | {_cell(f.master + f.kahan)} | **{_cell(f.held)}** | "
+                     f"{f.held:.1f} GB |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(memory_table())
+    import sys
+
+    print(training_bytes_table() if sys.argv[1:] == ["training"] else memory_table())
