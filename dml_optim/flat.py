@@ -14,8 +14,13 @@ its old storage is freed as packing goes (on the CPU, where untouched pages of
 the new buffer are not resident, the peak stays near one copy).  Off the CPU
 the new buffer is allocated whole, so by default (``pack_via="auto"``) the
 parameters are first staged through host memory: the device then never holds
-more than about one copy (:func:`pack_values`).  The flat gradient buffer is
-allocated when the first gradient arrives, not at construction.
+more than about one copy (:func:`dml_optim.packing.pack_values`).  The flat
+gradient buffer is allocated when the first gradient arrives, not at construction.
+
+Quantized states (``state_bits``) get a buffer of their own with an *aligned*
+layout: every parameter starts at a multiple of the block size, zero padding
+between parameters (:attr:`FlatBuffer.align`, :meth:`FlatBuffer.span`), so a
+block never holds two parameters.
 
 Bindings.  Between steps, code outside the optimizer can re-bind a parameter
 (``model.to()``, ``.half()``, ``p.data = t``) or its gradient (``p.grad = t``,
@@ -41,120 +46,19 @@ from typing import Iterator, Sequence
 
 import torch
 
+from dml_optim.packing import describe_param, group_key, is_distributed, local_tensor, pack_values
 from dml_optim.quant import BLOCK, QuantizedState, block_mask
 from dml_optim.steps import StepCounter
 
-__all__ = [
-    "FlatBuffer",
-    "Binding",
-    "group_key",
-    "describe_param",
-    "local_tensor",
-    "is_distributed",
-    "pack_values",
-    "param_piece",
-    "store_param_piece",
-]
+__all__ = ["FlatBuffer", "Binding", "param_piece", "store_param_piece",
+           # (from dml_optim.packing, for the modules above)
+           "group_key", "describe_param", "local_tensor", "is_distributed", "pack_values"]
 
 _GRAD = operator.attrgetter("grad")
 #: Reading ``.grad``/``data_ptr()`` of many ``nn.Parameter``s is twice as fast without the
 #: per-call ``__torch_function__`` lookup of tensor subclasses (we only read attributes)
 _FAST_ATTRIBUTES = torch._C.DisableTorchFunctionSubclass
 _DATA_PTR = torch.Tensor.data_ptr
-
-
-# -- distributed tensors ------------------------------------------------------------
-
-
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor  # torch >= 2.5
-    except ImportError:
-        try:
-            from torch.distributed._tensor import DTensor  # torch 2.4
-        except ImportError:  # a build without torch.distributed
-            return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
-
-
-def is_distributed(t) -> bool:
-    """True for a ``DTensor`` (an FSDP2 / tensor-parallel parameter or gradient)."""
-    return _DTENSOR is not None and isinstance(t, _DTENSOR)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds: the local shard of a ``DTensor``, else ``t`` itself."""
-    return t._local_tensor if is_distributed(t) else t
-
-
-def group_key(p: torch.Tensor) -> tuple[str, torch.dtype]:
-    """The (device, dtype) a parameter is packed by (a DTensor's local device)."""
-    return (str(local_tensor(p).device), p.dtype)
-
-
-def describe_param(p: torch.Tensor, index: int, group_index: int) -> str:
-    """``param_groups[g]['params'][i] (shape (..), dtype, device)``: how errors name a parameter."""
-    return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(p.shape)}, {p.dtype}, {local_tensor(p).device})"
-
-
-# -- packing values with a bounded peak ------------------------------------------------------
-
-
-def pack_values(sources: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, device: torch.device,
-                via_host: bool, rebind: Sequence[torch.Tensor] | None = None,
-                offsets: Sequence[int] | None = None) -> torch.Tensor:
-    """A new flat tensor holding ``sources`` (flattened, cast to ``dtype``) back to back.
-
-    ``offsets``: where each source starts (an aligned layout, :class:`FlatBuffer`'s
-    ``align``); the gaps between sources are zero-filled.
-
-    ``rebind``: tensors whose ``.data`` is re-pointed at their slice as soon
-    as it is filled, so their old storage is released while packing goes on
-    (no list of the originals is kept: the peak is the flat tensor plus the
-    parameters not yet packed, about one copy).  ``via_host``: stage the
-    sources through host memory first (their device storage is released
-    before the flat tensor is allocated), so the device holds about one copy
-    at the peak even when the caller keeps other references to the sources.
-    If anything fails, every rebound tensor gets its values back in a storage
-    of its own, on its device (copied out of the flat tensor or the host stage).
-    """
-    homes = [t.device for t in rebind] if rebind is not None else None
-    packed = 0  # how many of ``rebind`` point into the flat tensor
-    try:
-        with torch.no_grad():
-            if via_host:
-                staged = [s.detach().to("cpu", copy=True) for s in sources]
-                del sources
-                if rebind is not None:
-                    for t, s in zip(rebind, staged):
-                        t.data = s.view(t.shape)  # the device storage is released here
-                sources = staged
-            flat = torch.empty(numel, dtype=dtype, device=device)
-            offset = 0
-            for i, s in enumerate(sources):
-                n = s.numel()
-                start = offsets[i] if offsets is not None else offset
-                if start > offset:
-                    flat[offset:start].zero_()  # padding of an aligned layout
-                view = flat[start : start + n]
-                view.copy_(s.detach().reshape(-1))
-                if rebind is not None:
-                    rebind[i].data = view.view(rebind[i].shape)
-                    packed = i + 1
-                offset = start + n
-            if offset < numel:
-                flat[offset:].zero_()
-            return flat
-    except BaseException:
-        if rebind is not None:
-            with torch.no_grad():
-                for i, (t, home) in enumerate(zip(rebind, homes)):
-                    if i < packed or t.device != home:
-                        t.data = t.data.to(home, copy=True)
-        raise
 
 
 # -- the buffer ----------------------------------------------------------------------------------

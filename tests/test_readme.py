@@ -264,3 +264,21 @@ def test_mixed_precision_op_counts_are_the_measured_ones():
     ops = {name: train(TrainConfig(optimizer=name, dtype="mixed", steps=3), device="cpu").audit["total_ops"]
            for name in OPTIMIZERS}
     assert min(ops.values()) == low and max(ops.values()) == high, ops
+
+
+def test_ci_runs_a_second_torch_and_fails_on_an_empty_run():
+    """Issue 22, item 7: CI runs the suite on the local 2.13 wheel and on the newest torch pip resolves;
+    every pytest run goes through ``check``, which fails on pytest's exit 5 (no test ran) and on failures."""
+    script = CI_RUN.read_text()
+    assert "pip install -q --upgrade torch" in script  # the newest release (2.14.x today)
+    runs = [line for line in script.splitlines() if re.search(r"(bash -c \"\$test_command\"|-m pytest)", line)
+            and not line.lstrip().startswith(("#", "echo"))]
+    assert len(runs) == 2, runs
+    assert script.count('check "$status"') == 2
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not available to run .ci/run's check function")
+    check = script[script.index("check() {"):script.index("\n}\n") + 3]
+    for status, expected in ((0, 0), (5, 1), (1, 1), (2, 2)):
+        got = subprocess.run(["bash", "-c", f"set -e\n{check}\ncheck {status} probe"], capture_output=True, text=True)
+        assert got.returncode == expected, (status, got.stderr)
+    assert (ROOT / ".ci" / "nightly").exists()  # torch 2.4.1 with torch-directml: the nightly-style job

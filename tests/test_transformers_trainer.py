@@ -64,12 +64,20 @@ def _dataset():
     return [{"input_ids": ids[i], "labels": labels[i]} for i in range(len(ids))]
 
 
+#: Adam-family runs leave out the parameters whose gradients are rounding noise (below).
+NOISE_FROZEN = ("adam", "adamw")
+
+
 def _freeze_for_eps_zero(model):
-    """Adam with epsilon 0 (the exact twin of torch's Adam with eps 0) needs gradients that are
-    not zero: embedding rows no batch has used yet get 0/0 (NaN, torch's Adam as well), and the
-    attention's key bias, whose gradient is rounding noise (softmax ignores a shift shared by all
-    keys), gets noise divided by its own size, so the ulp-level difference between the two Adams
-    becomes an O(lr) one.  Those stay frozen in the Adam runs."""
+    """Adam's update divides the first moment by the root of the second: for a parameter whose gradient is
+    rounding noise, the update is noise divided by its own size, so the last-place differences between two
+    correct implementations (different summation orders, fused multiply-adds) become differences of order
+    lr instead of a few units in the last place of the update, and no tolerance from the arithmetic holds
+    (AdamW on torch 2.14.1: 2.2e-6 on such an element).  Two such groups here: embedding rows no batch has
+    used yet (zero gradients: 0/0 with epsilon 0, NaN in torch's Adam as well) and the attention's key bias,
+    whose gradient is zero in exact arithmetic (softmax ignores a shift shared by all keys) and rounding
+    noise in float32.  Those stay frozen in the Adam-family runs; every other element's update is well
+    conditioned, and the runs agree to ``TORCH_ADAM_FLOAT32`` (a few float32 roundings per step)."""
     for name, p in model.named_parameters():
         if "embeddings" in name or "key.bias" in name:
             p.requires_grad_(False)
@@ -116,7 +124,7 @@ def uninterrupted(tmp_path_factory):
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{side}-{name}")
             params, _ = _train(getattr(BY_ID[name], side), out, scheduler=scheduler, bf16=bf16, fp16=fp16,
-                               freeze=name == "adam")
+                               freeze=name in NOISE_FROZEN)
             cache[key] = params, out
         return cache[key]
 
@@ -167,7 +175,7 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(name, scheduler, uni
     checkpoint = out / f"checkpoint-{SAVE_AT}"
     saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     assert "dml_optim" in saved and saved["state"] and all(s["step"].item() == SAVE_AT for s in saved["state"].values())
-    resumed, _ = _train(pair.ours, tmp_path / "resumed", scheduler=scheduler, resume=checkpoint, freeze=name == "adam")
+    resumed, _ = _train(pair.ours, tmp_path / "resumed", scheduler=scheduler, resume=checkpoint, freeze=name in NOISE_FROZEN)
     for a, b in zip(resumed, full, strict=True):
         assert torch.equal(a, b)
 
@@ -186,8 +194,9 @@ def test_optimizer_cls_and_kwargs_equals_torch(pair, tmp_path):
     """``Trainer(optimizer_cls_and_kwargs=(dml_optim.X, kwargs))``: the Trainer builds ours over its
     two param groups (``weight_decay`` 0.1 for weights, 0 for biases and LayerNorm): equal to
     torch.optim built the same way."""
-    ours, trainer = _train(None, tmp_path / "ours", factory=pair.ours(), weight_decay=0.1)
-    theirs, _ = _train(None, tmp_path / "torch", factory=pair.theirs(), weight_decay=0.1)
+    freeze = pair.id in NOISE_FROZEN
+    ours, trainer = _train(None, tmp_path / "ours", factory=pair.ours(), weight_decay=0.1, freeze=freeze)
+    theirs, _ = _train(None, tmp_path / "torch", factory=pair.theirs(), weight_decay=0.1, freeze=freeze)
     opt = trainer.optimizer.optimizer  # inside the Trainer's accelerate wrapper
     assert type(opt).__module__.startswith("dml_optim")
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
