@@ -120,7 +120,10 @@ def check_hyperparameter(
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float's range: out of every interval we accept
+        raise ValueError(f"{name} is too large for a float, got an integer of {int(value).bit_length()} bits") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     if low is not None and (value < low or (low_open and value == low)):

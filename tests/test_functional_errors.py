@@ -140,6 +140,8 @@ CASES = [
     # ---- non-finite hyperparameters
     Case("momentum-alpha-nan", lambda: onnx_call("momentum", alpha=NAN), ValueError, ("alpha", "nan")),
     Case("adam-alpha-inf", lambda: onnx_call("adam", alpha=INF), ValueError, ("alpha", "inf")),
+    # an int beyond float's range (float() raises OverflowError): found by the state-dict fuzz test
+    Case("adam-alpha-huge-int", lambda: onnx_call("adam", alpha=10**400), ValueError, ("alpha", "too large for a float", "1329 bits")),
     Case("adam-beta-nan", lambda: onnx_call("adam", beta=NAN), ValueError, ("beta", "nan")),
     Case("momentum-beta-minus-inf", lambda: onnx_call("momentum", beta=-INF), ValueError, ("beta", "inf")),
     Case("adagrad-epsilon-nan", lambda: onnx_call("adagrad", epsilon=NAN), ValueError, ("epsilon", "nan")),

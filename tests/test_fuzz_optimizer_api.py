@@ -248,7 +248,11 @@ def spoiled_state_dicts(draw, sd):
             parent[draw(st.sampled_from(["extra", 9, "step", "exp_avg", "sum", "lr", "initial_lr"]))] = _mutable(draw(_ODD))
         elif kind == "scale" and isinstance(parent[path[-1]], (int, float, torch.Tensor)) and not isinstance(parent[path[-1]], bool):
             # (factors beyond float32's range are a separate, reported hole: test_bad_inputs.py)
-            parent[path[-1]] = parent[path[-1]] * draw(st.sampled_from([-1, 2, 1e6, 0.5]))
+            factor = draw(st.sampled_from([-1, 2, 1e6, 0.5]))
+            try:
+                parent[path[-1]] = parent[path[-1]] * factor
+            except OverflowError:  # an odd int beyond float's range (10**400) times a float: spoiled enough
+                pass
         if not isinstance(sd, dict):
             break
     return sd
@@ -286,3 +290,18 @@ def test_spoiled_state_dicts_load_or_are_refused_without_damage(cls, data):
     except OverflowError as exc:  # DmlAdam at T = 2**32 - 1: a clean, atomic refusal
         assert cls is DmlAdam and "nothing was updated" in str(exc)
     roundtrip(opt.state_dict())
+
+
+@pytest.mark.parametrize("cls", [Adam, Adagrad, Momentum, DmlAdam], ids=lambda c: c.__name__)
+def test_a_state_dict_with_an_integer_beyond_float_range_is_refused_without_damage(cls):
+    # the case hypothesis found in CI (betas[0] = 10**400: float() raised OverflowError mid-load)
+    ps, opt = _trained(cls)
+    sd = opt.state_dict()
+    name = next(k for k in ("betas", "alpha", "lr_decay", "momentum") if k in sd["param_groups"][0])
+    value = sd["param_groups"][0][name]
+    sd["param_groups"][0][name] = [10**400, *value[1:]] if isinstance(value, (list, tuple)) else 10**400
+    before = snapshot(ps, opt)
+    with pytest.raises(ValueError, match="load_state_dict") as info:
+        opt.load_state_dict(sd)
+    assert "too large for a float" in str(info.value), info.value
+    assert_same(before, snapshot(ps, opt))
