@@ -158,10 +158,13 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     if comp is not None:
         cs = up(comp, force=True)
         y = xs.sub_(x_old).add_(cs)  # u + c
+        if finite is not None:  # a skipped step (u = 0) must not fold in the pending compensation either
+            y = torch.where(finite, y, torch.zeros((), dtype=y.dtype, device=y.device))
         t = torch.add(x_old, y, out=cs) if not fused else x_old + y
-        x.copy_(t)  # round(x + y)
+        x.copy_(t)  # round(x + y): x itself when y = 0
         back = cs.copy_(x) if not fused else x.to(compute_dtype)
-        comp.copy_(y.sub_(back.sub_(x_old)))  # round(y - (t - x))
+        c_new = y.sub_(back.sub_(x_old)) if not fused else y - (back - x_old)  # round(y - (t - x))
+        comp.copy_(c_new if finite is None else torch.where(finite, c_new, comp))  # skipped: c stays as it was
     elif xs is not x:
         x.copy_(xs)
     if params_out is not None:

@@ -41,6 +41,7 @@ import pytest
 import torch
 
 from dml_optim import Adam
+from dml_optim.quant import QuantizedState
 from dml_optim.optimizers import registry
 from matrix import ENTRIES, cases
 
@@ -137,6 +138,11 @@ def assert_same(a, b, path="snapshot"):
         assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, path
         if a.device.type != "meta":
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{path}: {m}")
+        return
+    if isinstance(a, QuantizedState) or isinstance(b, QuantizedState):  # a quantized flat state: codes and scales
+        assert type(a) is type(b) and a.format == b.format, f"{path}: {a!r} != {b!r}"
+        assert_same(a.codes, b.codes, f"{path}.codes")
+        assert_same(a.scales, b.scales, f"{path}.scales")
         return
     if isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: keys {a.keys()} != {b.keys()}"

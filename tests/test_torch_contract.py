@@ -224,6 +224,18 @@ def test_momentum_beta_and_dampening_given_together_agree(beta):
         dml_optim.Momentum(p, lr=0.01, beta=0.6, dampening=0.5)
 
 
+@pytest.mark.parametrize("ours, theirs", [(1e-16, 8e-16), (0.0, 5e-16), (3e-20, 3.1e-20)])
+def test_a_one_to_one_alias_given_two_different_small_values_is_refused(ours, theirs):
+    """The tolerance that lets ``beta = 1 - dampening`` read back is in ulps of the values involved,
+    not an absolute 1e-15: ``eps`` and ``epsilon`` that differ 8x are a contradiction."""
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises((TypeError, ValueError), match="disagree"):
+        dml_optim.Adagrad(p, lr=0.1, epsilon=ours, eps=theirs)
+    opt = dml_optim.Adagrad(p, lr=0.1, epsilon=theirs, eps=theirs)
+    with pytest.raises((TypeError, ValueError), match="disagree"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "epsilon": ours, "eps": theirs})
+
+
 # -- deepcopy and pickling ------------------------------------------------------------------------------
 
 
@@ -367,6 +379,38 @@ def test_the_four_state_dict_hooks_run_where_torch_runs_them(name):
         assert opt.param_groups[0]["lr"] == 0.25
     assert logs["ours"] == logs["torch"] == [
         "state_dict pre (prepended)", "state_dict pre", "state_dict post", "load pre", "load post lr=0.25"]
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_step_hooks_and_global_step_hooks_run_like_torchs(name):
+    """The per-optimizer and the global (``torch.optim.optimizer``) step hooks, in torch's order, with the
+    step's parameters already updated when the post hooks run."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    hyper, twin_kwargs, torch_cls = _twin_hyper(name)
+    logs = {}
+    for key, make in (("ours", lambda ps: registry.build(name, ps, **hyper)),
+                      ("torch", lambda ps: torch_cls(ps, foreach=False, **twin_kwargs))):
+        model = _model(dtype=_dtype(name))
+        opt = make(model.parameters())
+        first = next(model.parameters())
+        log = logs[key] = []
+        before = first.detach().clone()
+        handles = [
+            register_optimizer_step_pre_hook(lambda o, a, k: log.append("global pre")),
+            register_optimizer_step_post_hook(lambda o, a, k: log.append("global post")),
+            opt.register_step_pre_hook(lambda o, a, k: log.append(f"pre changed={not torch.equal(first, before)}")),
+            opt.register_step_post_hook(lambda o, a, k: log.append(f"post changed={not torch.equal(first, before)}")),
+        ]
+        try:
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+        finally:
+            for h in handles:
+                h.remove()
+        opt.step()  # removed: nothing more is logged
+    assert logs["ours"] == logs["torch"] == ["global pre", "pre changed=False", "post changed=True", "global post"]
 
 
 # -- named parameters, duplicates, torch's keys, checkpoints both ways -----------------------------------
@@ -529,3 +573,23 @@ def test_every_torch_alias_takes_every_valid_value_under_both_names(name):
             p.grad = torch.ones(3, dtype=dtype)
             opt.step()
             assert all(group[n] == ours[n] for n in alias.ours), (alias.torch, v)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_an_old_sgd_checkpoint_with_momentum_buffer_none_loads_like_torch(momentum):
+    """torch.optim.SGD before 2.3 saved ``momentum_buffer: None`` (no buffer yet); torch loads it as a
+    fresh buffer, and the next step is a first step: ours too, bit for bit."""
+    sd = {"state": {0: {"momentum_buffer": None}},
+          "param_groups": [{"lr": 0.1, "momentum": momentum, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
+                            "maximize": False, "foreach": None, "differentiable": False, "fused": None, "params": [0]}]}
+    results = []
+    for make in (lambda ps: dml_optim.SGD(ps, lr=0.1, momentum=momentum),
+                 lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=momentum, foreach=False)):
+        p = torch.nn.Parameter(torch.arange(4.0))
+        opt = make([p])
+        opt.load_state_dict(copy.deepcopy(sd))
+        for k in range(3):
+            p.grad = torch.full_like(p, k + 1.0)
+            opt.step()
+        results.append(p.detach().clone())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)

@@ -262,7 +262,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
             raise TypeError(f"{where} is complex ({p.dtype}); dml_optim refuses complex parameters (DirectML has "
                             "no kernel for view_as_real/view_as_complex, so a complex parameter cannot be a view "
                             "of a real flat buffer there): keep the parameter real with a trailing dimension of 2 "
-                            "and call torch.view_as_complex on it in forward() (README, \"Known limits\")")
+                            "and call torch.view_as_complex on it in forward() (README, \"Limitations\")")
         if p.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{where} must be floating point, got dtype {p.dtype}")
         if p.dtype not in type(self).dtypes:
