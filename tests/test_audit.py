@@ -256,6 +256,27 @@ def test_cli_audit_json_on_a_model(capsys, model):
     assert d["torch"]["fallback_ops"] == n and d["torch"]["cpu_step_reads"] == 2 * n
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cli_audit_of_a_low_bit_step(capsys, tmp_path, bits):
+    """``--state-bits``: a quantized step still has no fallback and no sync, and its op count does not depend
+    on the number of parameters (one tensor of 64k elements, or 16 of 4,096: each quantized)."""
+    many = tmp_path / "sixteen.json"
+    many.write_text(json.dumps({"name": "sixteen", "source": "test", "total_parameters": 16 * 4096,
+                                "parameters": [{"name": f"w{i}", "shape": [64, 64]} for i in range(16)]}))
+    totals = []
+    for model in ("one-64k", str(many)):
+        assert main(["audit", "--optimizer", "adamw", "--state-bits", str(bits), "--model", model, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["state_bits"] == bits
+        ours = d["ours"]
+        assert ours["fallback_ops"] == 0 and ours["host_syncs"] == 0 and ours["all_native"], ours
+        assert any(r["op"].startswith("aten::index_select") for r in ours["ops"]), ours["ops"]  # decoded: quantized
+        totals.append(ours["total_ops"])
+    assert totals[0] == totals[1]
+    with pytest.raises(SystemExit):
+        main(["audit", "--optimizer", "adamw", "--state-bits", "3"])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "no/such/model.json"], "--model: no such inventory file 'no/such/model.json'"),
     (["--model", "resnet"], "--model: unknown model 'resnet': give a built-in model (bert-base-uncased, gpt2,"),

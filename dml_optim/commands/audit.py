@@ -50,6 +50,7 @@ examples:
   dml-optim audit --optimizer adam
   dml-optim audit --optimizer dml-adam --model resnet50
   dml-optim audit --optimizer adamw --model bert-base-uncased
+  dml-optim audit --optimizer adamw --state-bits 8     # a low-bit step: still 0 fallbacks, 0 syncs
   dml-optim audit --optimizer momentum --model gpt2 --json
   dml-optim audit --optimizer adagrad --model my-model.json
   dml-optim audit --optimizer adamw --model resnet50 --clip
@@ -72,6 +73,8 @@ def add_parser(sub):
     p.add_argument("--top", type=int, default=10, metavar="N", help="ops listed per optimizer (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random parameters and gradients")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    p.add_argument("--state-bits", type=int, choices=(8, 4), default=None, dest="state_bits",
+                   help="audit our step with 8-bit or 4-bit optimizer state (the torch.optim column stays FP32)")
     p.add_argument("--clip", action="store_true",
                    help="audit clip_grad_norm_(max_norm=1.0) instead of the step, ours vs torch.nn.utils'")
     p.set_defaults(run=run)
@@ -102,7 +105,7 @@ def _params(shapes, seed: int):
     return params
 
 
-def _audit(kind: str, name: str, shapes, seed: int, clip: bool = False):
+def _audit(kind: str, name: str, shapes, seed: int, clip: bool = False, state_bits: int | None = None):
     import torch
 
     import dml_optim
@@ -111,7 +114,8 @@ def _audit(kind: str, name: str, shapes, seed: int, clip: bool = False):
 
     params = _params(shapes, seed)
     # ours: the eager op chain DirectML runs ("auto" may compile large buffers on CPU/CUDA, which the audit refuses)
-    opt = build(name, params, backend="eager") if kind == "ours" else torch_equivalent(name, params, foreach=True)
+    opt = (build(name, params, backend="eager", state_bits=state_bits) if kind == "ours"
+           else torch_equivalent(name, params, foreach=True))
     opt.step()  # warm-up: states allocated, step counters past their first value
     if not clip:
         report = audit_step(opt)
@@ -144,12 +148,13 @@ def run(args) -> int:
     stream = sys.stderr if args.json else sys.stdout  # with --json, stdout carries only the JSON
     slow = numel >= _PROGRESS_MIN_PARAMETERS
     if slow or not args.json:
-        print(f"dml-optim audit: {args.optimizer} on {model} ({len(shapes)} tensors, {numel:,} parameters; "
+        bits = f", {args.state_bits}-bit state" if args.state_bits else ""
+        print(f"dml-optim audit: {args.optimizer}{bits} on {model} ({len(shapes)} tensors, {numel:,} parameters; "
               f"float32 on cpu, ~{4 * numel / 2**30:.2f} GiB per copy)", file=stream, flush=True)
     progress = Progress("audit", 2, stream=stream, unit="optimizer") if slow else None
     reports = []
     for kind in ("ours", "torch"):
-        reports.append(_audit(kind, args.optimizer, shapes, args.seed, args.clip))
+        reports.append(_audit(kind, args.optimizer, shapes, args.seed, args.clip, args.state_bits))
         if progress is not None:
             progress.update(len(reports), f"{reports[-1].optimizer}: {reports[-1].total_ops} ops")
     if progress is not None:
@@ -157,7 +162,7 @@ def run(args) -> int:
     ours, theirs = reports
     if args.json:
         print(json.dumps({"model": model, "tensors": len(shapes), "parameters": numel,
-                          "optimizer": args.optimizer, "audited": "clip_grad_norm_" if args.clip else "step", "ours": ours.to_dict(), "torch": theirs.to_dict()}, indent=2))
+                          "optimizer": args.optimizer, "state_bits": args.state_bits, "audited": "clip_grad_norm_" if args.clip else "step", "ours": ours.to_dict(), "torch": theirs.to_dict()}, indent=2))
         return 0
     what = "per clip_grad_norm_ call" if args.clip else "per step"
     print(f"{what}, as torch-directml 0.2.5 would run it (one warm-up step first):")
