@@ -283,3 +283,18 @@ def test_the_low_bit_row_measures_ours_and_says_which_peers_are_missing(monkeypa
     (target,) = [t for t in benchmark.check_targets(doc) if "8-bit" in t["target"]]
     assert target["target"] == "one-1m AdamW 8-bit >= 1.0x bitsandbytes AdamW8bit"
     assert (target["status"] == "not measured") is (not rows["bitsandbytes AdamW8bit"]["available"])
+
+
+def test_the_cpu_bandwidth_reference_is_an_in_place_add_that_a_fused_step_stays_under():
+    """The CPU reference writes back what it reads, as a fused optimizer step does (the triad it replaced
+    pays a write-allocate, so fused steps read above 100% of it).  The reference updates ``a`` in place
+    and moves 3 elements per element; its name follows the document (older ones say triad)."""
+    from dml_optim.benchmark.timing import Reference, reference_name
+
+    ref = Reference(1024, torch.device("cpu"), torch.float32)
+    assert ref.kind == "inplace-add" and ref.bytes_moved == 3 * 4 * 1024
+    a, b = ref.a.clone(), ref.b.clone()
+    ref.step()
+    torch.testing.assert_close(ref.a, a + 0.5 * b, rtol=0, atol=0)  # in place: the same storage, updated
+    assert reference_name({"references": [{"reference": "inplace-add"}]}) == "the in-place add"
+    assert reference_name({"references": [{"reference": "triad"}]}) == "the triad"

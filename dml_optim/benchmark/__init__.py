@@ -8,7 +8,7 @@ the method, the rows and the fields of the JSON document.  One module per job:
 * :mod:`~dml_optim.benchmark.candidates`: the optimizers compared, built
   through the registry, and the memory they hold;
 * :mod:`~dml_optim.benchmark.timing`: wall, CUDA-event and kernel time,
-  round-robin sampling, the bandwidth reference (triad; CUDA: copy);
+  round-robin sampling, the bandwidth reference (in-place add; CUDA: copy);
 * the rows: :mod:`~dml_optim.benchmark.speed` (candidates side by side;
   ops per step from :func:`dml_optim.opcount.count_ops`),
   :mod:`~dml_optim.benchmark.frozen` (LoRA, gradual unfreezing),

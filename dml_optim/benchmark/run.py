@@ -79,7 +79,7 @@ def not_measured(device: torch.device, requested: Sequence[str]) -> list[dict[st
         out.append({"what": "kernel time", "reason": "CUDA only: the device time of a step's kernels, from "
                     f"torch.profiler's CUDA activity; on {device.type} the wall time is all there is"})
         out.append({"what": "copy bandwidth", "reason": "CUDA only: a 1 GiB device-to-device copy_; the reference "
-                    f"on {device.type} is the triad a = b + s*c over the workload's trainable elements"})
+                    f"on {device.type} is the in-place add a += s*b over the workload's trainable elements"})
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dml_optim.benchmark.memory import CPU_SLACK
+from dml_optim.benchmark.timing import reference_name
 
 __all__ = ["check_targets", "speed_row", "reference"]
 
@@ -73,7 +74,7 @@ def check_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                       lambda row, ref: row["fraction_of_reference"])
     else:
         for o in ("adam", "adagrad", "momentum"):
-            speed(f"one-64m {_TITLE[o]} >= 70% of the triad bandwidth", o, "one-64m", 0.7, "fraction",
+            speed(f"one-64m {_TITLE[o]} >= 70% of {reference_name(doc)} bandwidth", o, "one-64m", 0.7, "fraction",
                   lambda row, ref: row["fraction_of_reference"])
     for row in doc.get("host_work", []):
         for checks in ("full", "fast"):
