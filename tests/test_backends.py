@@ -24,7 +24,7 @@ import dml_optim
 from dml_optim import backends, compiled
 from dml_optim.compiled import CompileFallbackWarning
 from introspect import buffers
-from matrix import case_of, classes
+from matrix import ENTRIES, case_of, classes
 from tolerances import TOL, assert_close
 
 COMPILE_OK, COMPILE_WHY = compiled.compile_available("cpu")
@@ -504,3 +504,26 @@ def test_a_captured_training_step_replays_like_eager(name, backend):
         assert_close(p.detach(), q.detach())
     steps = {float(s["step"]) for s in opts[0].state_dict()["state"].values()}
     assert steps == {float(3 + 25)}  # warm-up + replays, counted on the device (capturing runs no kernel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,variant,gated", [(n, v.id, False) for n, e in ENTRIES.items() for v in e.variants]
+                         + [(n, e.default.id, True) for n, e in ENTRIES.items()])  # gated: each default (seconds each)
+def test_every_compiled_kernel_is_one_graph_without_breaks(name, variant, gated):
+    """A graph break splits the "one fused kernel" into several, with Python between them every step (SGD's
+    ``momentum != 0`` on a 0-d tensor did: 0.47 ms per step at 16k elements where eager took 0.14).  Every
+    variant of every optimizer, plain and gated, compiles to graphs with no break."""
+    if not compiled.compile_available("cpu")[0]:
+        pytest.skip(f"compiled backend unavailable here: {compiled.compile_available('cpu')[1]}")
+    compiled.clear_cache()  # fresh code objects: dynamo traces this key anew (inductor's caches stay)
+    counters.clear()
+    case = case_of(name, variant=variant, backend="compiled")
+    ps = [torch.nn.Parameter(torch.randn(4096, dtype=case.dtype)) for _ in range(3)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = case.build([{"params": ps[:2]}, {"params": ps[2:], **case.variant.second}],
+                     **({"nonfinite": "skip"} if gated else {}))
+    for _ in range(2):
+        opt.step()
+    assert backends.resolved_backends(opt) == [["compiled"], ["compiled"]]
+    assert dict(counters["graph_break"]) == {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 import dml_optim.functional as F
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent
@@ -87,7 +89,10 @@ class SGD(FlatOptimizer):
 
     @classmethod
     def coefficients(cls, hyper, T):
-        beta = 1.0 - hyper["dampening"] if hyper["momentum"] != 0 else 1.0  # torch ignores dampening without momentum
+        # torch ignores dampening without momentum.  In a compiled kernel a zero momentum is structure (a number,
+        # ``zero_skips``) and a nonzero one a 0-d tensor: testing the tensor would break the graph in two
+        momentum = hyper["momentum"]
+        beta = 1.0 - hyper["dampening"] if isinstance(momentum, torch.Tensor) or momentum != 0 else 1.0
         return F.momentum_coefficients(hyper["lr"], T, beta=beta)
 
     @staticmethod
