@@ -7,7 +7,7 @@ Usage::
     python tools/readme_tables.py --record-audit  # re-run the audits, write bench/results/audit-<UTC date>.json
 
 Everything between ``<!-- AUDIT-TABLE -->`` and ``<!-- /AUDIT-TABLE -->`` (and
-the ``BENCH-TABLE`` pair) is this script's output, written from the documents
+the ``BENCH-TABLE`` and ``LOWBIT-TABLE`` pairs) is this script's output, written from the documents
 named in :data:`SOURCES`: one ``dml-optim audit --json`` output per row of
 :data:`AUDIT_ROWS`, and ``dml-optim bench --out bench/results/NAME.json`` runs.
 ``tests/test_readme_tables.py`` checks that README.md holds what it writes.
@@ -38,6 +38,7 @@ SOURCES = {
     "audit": "bench/results/audit-2026-11-23.json",
     "cpu": "bench/results/cpu-2026-11-23.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
+    "lowbit": "bench/results/cpu-lowbit-2026-11-25.json",
 }
 #: (optimizer, model) per row of the audit table.
 AUDIT_ROWS = (
@@ -269,10 +270,24 @@ def _load(key: str) -> dict:
     return json.loads((ROOT / SOURCES[key]).read_text(encoding="utf-8"))
 
 
+def lowbit_section(doc: dict) -> str:
+    """The low-bit row (``dml-optim bench --rows lowbit``): ours at 8 and 4 bits beside torch fused and the peers,
+    then its target."""
+    targets = [t for t in doc["targets"] if "8-bit" in t["target"]]
+    return "\n".join([
+        _machine(doc, SOURCES["lowbit"]),
+        "",
+        *report.lowbit_table(doc),
+        "",
+        *report.targets_table({"targets": targets}),
+    ])
+
+
 def sections() -> dict[str, str]:
     """Marker name -> the text this script puts between that marker pair."""
     return {"AUDIT-TABLE": audit_table(_load("audit"), SOURCES["audit"]),
-            "BENCH-TABLE": bench_section(_load("cpu"), _load("cuda"))}
+            "BENCH-TABLE": bench_section(_load("cpu"), _load("cuda")),
+            "LOWBIT-TABLE": lowbit_section(_load("lowbit"))}
 
 
 def render(text: str, contents: dict[str, str]) -> str:
