@@ -249,9 +249,14 @@ def test_a_checkpoint_resumes_bit_identically(name, bits):
     opt2 = _build(name, model2, bits, backend="eager")
     opt2.load_state_dict(ckpt["opt"])
     _train(model2, opt2, batches[4:])
-    for a, b in zip(model2.parameters(), expected):
-        assert torch.equal(a.detach(), b)
-    for a, b in zip(_state_snapshot(opt2), expected_state):
+    _assert_bit_identical(model2, opt2, expected, expected_state)
+
+
+def _assert_bit_identical(model, opt, params, state):
+    """``model``'s parameters and ``opt``'s quantized state (codes and scales) equal the snapshots, bit for bit."""
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p.detach(), q)
+    for a, b in zip(_state_snapshot(opt), state):
         assert torch.equal(a, b)
 
 
@@ -313,10 +318,7 @@ def test_a_skipped_step_leaves_parameters_and_quantized_state_bit_identical(bits
     torch.nn.functional.mse_loss(model(x), y).backward()
     model[2].weight.grad[3, 7] = float("inf")
     opt.step()
-    for p, q in zip(model.parameters(), params):
-        assert torch.equal(p.detach(), q)
-    for a, b in zip(_state_snapshot(opt), state):
-        assert torch.equal(a, b)
+    _assert_bit_identical(model, opt, params, state)
 
 
 @pytest.mark.parametrize("bits", BITS)
