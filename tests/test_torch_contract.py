@@ -593,3 +593,17 @@ def test_an_old_sgd_checkpoint_with_momentum_buffer_none_loads_like_torch(moment
             opt.step()
         results.append(p.detach().clone())
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("build, words", [
+    (lambda p: dml_optim.Adagrad(p, weight_decay=-1), ("weight_decay=-1", "norm_coefficient")),
+    (lambda p: dml_optim.Adagrad(p, lr_decay=-1), ("lr_decay=-1", "decay_factor")),
+    (lambda p: dml_optim.Adagrad(p, eps=-1e-3), ("eps=-0.001", "epsilon")),
+    (lambda p: dml_optim.Momentum(p, lr=0.1, momentum=-0.5), ("momentum=-0.5", "alpha")),
+    (lambda p: dml_optim.AdamW(p, betas=(1.5, 0.9)), ("betas=(1.5, 0.9)", "beta1")),
+])
+def test_a_bad_value_given_by_torchs_name_is_named_by_it(build, words):
+    """torch's error type, and the keyword the caller wrote in the message (then ours, for the rule)."""
+    with pytest.raises(ValueError) as info:
+        build([torch.nn.Parameter(torch.zeros(2))])
+    assert all(w in str(info.value) for w in words), info.value

@@ -201,6 +201,11 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
                 derived = alias.from_torch(value)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"{alias.torch} {exc}") from None
+            try:  # validated here, so a bad value is named by the keyword the caller wrote (weight_decay=-1)
+                for n, v in zip(alias.ours, derived):
+                    cls.spec.hyperparameter(n).check(v)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{alias.torch}={value!r}: {exc}") from None
             given = tuple(hyper[n] for n in alias.ours)
             explicit = [n for n in alias.ours if hyper[n] != defaults.get(n)]
             if explicit and not agree(alias, given, value, derived):
