@@ -35,7 +35,7 @@ from dml_optim.benchmark.timing import reference_name  # noqa: E402
 README = ROOT / "README.md"
 #: The committed documents the tables are written from (paths relative to the repository root).
 SOURCES = {
-    "audit": "bench/results/audit-2026-11-23.json",
+    "audit": "bench/results/audit-2026-11-25.json",
     "cpu": "bench/results/cpu-2026-11-23.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-25.json",
@@ -139,8 +139,9 @@ def _machine(doc: dict, source: str) -> str:
         where = (f"a {m['cpu_count']}-vCPU {m['processor']} Linux VM (\"{m.get('cpu_model', 'n/a')}\", "
                  f"{m.get('memory_gib', 'n/a')} GiB, no GPU), torch {m['torch']}, {m['torch_threads']} "
                  f"thread{'' if m['torch_threads'] == 1 else 's'}{load}")
-    return _fill(f"Measured on {where}, {doc['dtype']}, {doc['created'][:10]}, in {doc['elapsed_s'] / 60:.0f} "
-                         f"minutes (`{source}`).")
+    minutes = round(doc["elapsed_s"] / 60)
+    return _fill(f"Measured on {where}, {doc['dtype']}, {doc['created'][:10]}, in {minutes} "
+                         f"minute{'' if minutes == 1 else 's'} (`{source}`).")
 
 
 def _command(doc: dict) -> str:
