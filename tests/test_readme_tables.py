@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import readme_tables  # noqa: E402
 
+from dml_optim.benchmark.lowbit import CANDIDATES  # noqa: E402
 from dml_optim.benchmark.targets import reference, speed_row  # noqa: E402
 
 
@@ -31,8 +32,12 @@ def test_every_source_is_committed_and_complete():
         if key == "audit":
             assert [(r["optimizer"], r["model"]) for r in doc["rows"]] == list(readme_tables.AUDIT_ROWS)
         else:
-            assert doc["complete"] and not doc["quick"] and doc["device"].startswith(key), path
+            device = "cpu" if key == "lowbit" else key  # the low-bit row is a CPU run of its own
+            assert doc["complete"] and not doc["quick"] and doc["device"].startswith(device), path
             assert doc["errors"] == [] and doc["skipped"] == [], path
+    lowbit = readme_tables._load("lowbit")["lowbit"]
+    assert [r["candidate"] for r in lowbit[0]["rows"]] == list(CANDIDATES)
+    assert all(r["available"] and r["ms_per_step"] for r in lowbit[0]["rows"])  # the peers were installed
 
 
 def test_the_published_runs_hold_the_rows_of_the_issues():
