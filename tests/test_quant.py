@@ -198,6 +198,9 @@ def test_compiled_encode_gives_the_eager_codes(fmt):
         Q.encode_(values, c, s, fmt)
 
     c2, s2 = torch.empty_like(codes), torch.empty_like(scales)
-    torch.compile(enc, dynamic=True)(v, c2, s2)
+    try:
+        torch.compile(enc, dynamic=True)(v, c2, s2)
+    finally:  # torch 2.4 + gcc < 13: loading the -ffast-math kernel turned on flush-to-zero (conftest checks)
+        torch.set_flush_denormal(False)
     assert torch.equal(s2, scales)
     assert torch.equal(c2, codes)
