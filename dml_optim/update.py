@@ -159,12 +159,17 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
         cs = up(comp, force=True)
         y = xs.sub_(x_old).add_(cs)  # u + c
         if finite is not None:  # a skipped step (u = 0) must not fold in the pending compensation either
-            y = torch.where(finite, y, torch.zeros((), dtype=y.dtype, device=y.device))
+            if fused:
+                y = torch.where(finite, y, torch.zeros((), dtype=y.dtype, device=y.device))
+            else:
+                y.masked_fill_(finite.logical_not(), 0)
         t = torch.add(x_old, y, out=cs) if not fused else x_old + y
         x.copy_(t)  # round(x + y): x itself when y = 0
         back = cs.copy_(x) if not fused else x.to(compute_dtype)
         c_new = y.sub_(back.sub_(x_old)) if not fused else y - (back - x_old)  # round(y - (t - x))
-        comp.copy_(c_new if finite is None else torch.where(finite, c_new, comp))  # skipped: c stays as it was
+        if finite is not None:  # skipped: c stays as it was (eager: in place in the scratch, no allocation)
+            c_new = torch.where(finite, c_new, comp) if fused else torch.where(finite, c_new, comp, out=c_new)
+        comp.copy_(c_new)
     elif xs is not x:
         x.copy_(xs)
     if params_out is not None:

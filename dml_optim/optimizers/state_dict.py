@@ -323,10 +323,10 @@ def _check_state(opt, saved_state, index_of, new_groups, version: int, saved_bit
         if not isinstance(pid, (int, str)) or isinstance(pid, bool) or pid not in index_of:
             _fail(f"state has an entry for parameter id {pid!r}, which no param group lists", KeyError)
         gi, pi = index_of[pid]
-        if version == 0 and isinstance(entry, dict) and "momentum_buffer" in entry and entry["momentum_buffer"] is None:
-            # torch.optim.SGD before 2.3 saved momentum_buffer=None for a parameter without one (momentum=0,
-            # or never stepped): torch loads it as "no buffer yet", i.e. a fresh state; so do we
-            entry = {k: v for k, v in entry.items() if k != "momentum_buffer"}
+        if version == 0 and isinstance(entry, dict) and any(v is None for v in entry.values()):
+            # a torch checkpoint's None state means "none yet" (torch.optim.SGD before 2.3 saved
+            # momentum_buffer=None without momentum, or before a step): torch loads it as a fresh state; so do we
+            entry = {k: v for k, v in entry.items() if v is not None}
             if not set(entry) - {"step"}:
                 continue
         names = set(cls.group_state_names(new_groups[gi][0]))
