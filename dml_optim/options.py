@@ -16,11 +16,13 @@ value.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, TypedDict
 
 import torch
 
 __all__ = [
+    "check_state_bits",
     "STATE_BITS",
     "BACKENDS",
     "NONFINITE_MODES",
@@ -126,6 +128,12 @@ def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
     return value
 
 
+def check_state_bits(bits) -> None:
+    """``state_bits`` is None, 8 or 4 (a bool, a tensor or any other object is refused, naming it)."""
+    if bits is not None and (not isinstance(bits, numbers.Integral) or isinstance(bits, bool) or bits not in STATE_BITS):
+        raise ValueError(f"state_bits must be None, 8 or 4, got {bits!r}")
+
+
 def check_options(group: dict[str, Any]) -> None:
     """Validate and normalize the options of ``group`` in place (dtype names become dtypes).
 
@@ -137,9 +145,7 @@ def check_options(group: dict[str, Any]) -> None:
     check_choice("nonfinite", group["nonfinite"], NONFINITE_MODES)
     for key in ("state_dtype", "compute_dtype"):
         group[key] = dtype_option(key, group[key])
-    bits = group["state_bits"]
-    if isinstance(bits, bool) or bits not in STATE_BITS:
-        raise ValueError(f"state_bits must be None, 8 or 4, got {bits!r}")
+    check_state_bits(group["state_bits"])
     for key in ("master_weights", "kahan", "capturable"):
         check_flag(key, group[key])
     if group["master_weights"] and group["kahan"]:

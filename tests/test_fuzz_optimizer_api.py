@@ -305,3 +305,17 @@ def test_a_state_dict_with_an_integer_beyond_float_range_is_refused_without_dama
         opt.load_state_dict(sd)
     assert "too large for a float" in str(info.value), info.value
     assert_same(before, snapshot(ps, opt))
+
+
+@pytest.mark.parametrize("bits", [torch.ones(2), torch.tensor(8), True, 8.5, "8"], ids=repr)
+def test_a_state_dict_with_an_odd_state_bits_is_refused_without_damage(bits):
+    # found by the fuzz test: a tensor state_bits made `bits in (None, 8, 4)` raise RuntimeError mid-load
+    ps, opt = _trained(Momentum)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["state_bits"] = bits
+    before = snapshot(ps, opt)
+    with pytest.raises(ValueError, match="load_state_dict.*state_bits must be None, 8 or 4"):
+        opt.load_state_dict(sd)
+    assert_same(before, snapshot(ps, opt))
+    with pytest.raises(ValueError, match="state_bits must be None, 8 or 4"):
+        Momentum([torch.nn.Parameter(torch.zeros(2))], lr=0.1, state_bits=bits)

@@ -65,7 +65,7 @@ import torch
 
 from dml_optim.flat import FlatBuffer, is_distributed, local_tensor, param_piece, store_param_piece
 from dml_optim.quant import BLOCK, QuantizedState, format_for
-from dml_optim.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_BITS, STATE_DICT_FORMAT_VERSION,
+from dml_optim.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, check_state_bits,
                                dtype_option)
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS, sync_group
 
@@ -307,8 +307,8 @@ def _check_saved_options(updates: dict[str, Any], gi: int) -> None:
         for key in ("state_dtype", "compute_dtype"):
             if key in updates:
                 dtype_option(key, updates[key])
-        if "state_bits" in updates and (isinstance(updates["state_bits"], bool) or updates["state_bits"] not in STATE_BITS):
-            raise ValueError(f"state_bits must be None, 8 or 4, got {updates['state_bits']!r}")
+        if "state_bits" in updates:
+            check_state_bits(updates["state_bits"])
     except (TypeError, ValueError) as exc:
         _fail(f"param_groups[{gi}]: {exc}", type(exc))
 
