@@ -32,7 +32,8 @@ import torch
 from dml_optim import compiled as _compiled
 from dml_optim.options import BACKENDS
 
-__all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED", "resolve", "runner_for", "compiles", "resolved_backend", "resolved_backends"]
+__all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED", "AUTO_COMPILE_MIN_ELEMENTS_MASKED",
+           "resolve", "runner_for", "masked_runner", "compiles", "resolved_backend", "resolved_backends"]
 
 #: ``backend="auto"`` compiles a flat buffer from this many elements on.
 AUTO_COMPILE_MIN_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 20}
@@ -40,6 +41,9 @@ AUTO_COMPILE_MIN_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 20}
 #: state per chunk (decode, update, encode), which a fused kernel replaces at every size that pays a compile
 #: (1M-element AdamW, 2 cores: 8-bit eager 37 ms per step on one thread, compiled a few ms)
 AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED = {"cpu": 1 << 16, "cuda": 1 << 16}
+
+#: ... and a masked update (parameters at several step counts, :func:`masked_runner`) from this many.
+AUTO_COMPILE_MIN_ELEMENTS_MASKED = {"cpu": 1 << 16, "cuda": 1 << 16}
 
 _RUNNERS: "weakref.WeakKeyDictionary[Any, _compiled.KernelRunner]" = weakref.WeakKeyDictionary()
 
@@ -99,6 +103,34 @@ def runner_for(opt, group: dict[str, Any], flat) -> tuple[_compiled.KernelRunner
         _compiled.fall_back(opt, flat.device, reason)
         return None, None
     return runner, key
+
+
+def masked_runner(opt, group: dict[str, Any], flat) -> _compiled.KernelRunner | None:
+    """The compiled runner of ``opt`` for a masked update of ``flat`` (the engine's, for parameters at
+    several step counts), or None when it runs eagerly.
+
+    ``auto`` compiles it from :data:`AUTO_COMPILE_MIN_ELEMENTS_MASKED` elements on, below the
+    threshold of a buffer's plain step: the eager masked update is about twice the ops of the plain
+    rule (every varying scalar is a tensor), while one kernel reads the owner index and a table
+    of a few values per parameter beside the operands.
+    """
+    backend = group["backend"]
+    if backend == "eager" or _compiled.fell_back(opt) is not None:
+        return None
+    if _compiled._is_compiling() or (_compiled._dispatch_mode_active() and not _compiled._counting_kernels()):
+        return None
+    device_type = flat.device.type
+    available, why = _compiled.compile_available(device_type)
+    if not available:
+        if backend == "compiled":
+            _compiled.fall_back(opt, flat.device, why)
+        return None
+    if backend == "auto" and flat.numel < AUTO_COMPILE_MIN_ELEMENTS_MASKED.get(device_type, 1 << 62):
+        return None
+    runner = _RUNNERS.get(opt)
+    if runner is None:
+        runner = _RUNNERS[opt] = _compiled.KernelRunner(opt)
+    return runner
 
 
 def compiles(opt, group: dict[str, Any], flat) -> bool:

@@ -56,7 +56,7 @@ import torch
 from torch.utils import _python_dispatch
 
 from dml_optim.quant import QuantizedState, warm_tables
-from dml_optim.update import coefficient_dtype, fused_step
+from dml_optim.update import coefficient_dtype, fused_step, masked_step
 
 __all__ = [
     "CompileFallbackWarning",
@@ -155,6 +155,11 @@ def compile_available(device_type: str) -> tuple[bool, str]:
 
 
 def _key_name(key: tuple) -> str:
+    if key[0] == "masked":
+        _, cls, fixed, names, cdtype, storage, device = key
+        parts = [cls.__name__, "masked", str(cdtype).replace("torch.", ""), device.replace(":", "")]
+        parts += [f"{k}_{v}" for k, v in fixed] + [str(d).replace("torch.", "") for d in storage]
+        return "_".join(p.replace(".", "_").replace("-", "_") for p in parts)
     cls, structure, names, cdtype, gated, has_out, has_comp, n_states, storage, device = key
     parts = [cls.__name__, str(cdtype).replace("torch.", ""), device.replace(":", "")]
     parts += [f"{k}_{v}" for k, v in structure]
@@ -176,13 +181,20 @@ def kernel(key: tuple):
     """The compiled callable of one kernel key (see :class:`KernelRunner` for the key's fields)."""
     fn = _KERNELS.get(key)
     if fn is None:
-        cls, structure, names, cdtype, gated, has_out, has_comp, n_states, storage, _ = key
-        structure_dict = dict(structure)
-        formats = tuple(s if isinstance(s, str) else None for s in storage[2 : 2 + n_states])
-        has_valid = storage[-1] is True
+        if key[0] == "masked":
+            _, cls, fixed, names, _, _, _ = key
+            fixed_dict = dict(fixed)
 
-        def step(*tensors):
-            fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, formats, has_valid, *tensors)
+            def step(*tensors):
+                masked_step(cls, fixed_dict, names, *tensors)
+        else:
+            cls, structure, names, cdtype, gated, has_out, has_comp, n_states, storage, _ = key
+            structure_dict = dict(structure)
+            formats = tuple(s if isinstance(s, str) else None for s in storage[2 : 2 + n_states])
+            has_valid = storage[-1] is True
+
+            def step(*tensors):
+                fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, formats, has_valid, *tensors)
 
         raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
         options = _options(key[-1])
@@ -301,9 +313,23 @@ class KernelRunner:
     def __init__(self, opt):
         self.opt_ref = weakref.ref(opt)
         self._slots: "weakref.WeakKeyDictionary[Any, dict[str, list]]" = weakref.WeakKeyDictionary()
+        self._keys: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
     def key(self, group, flat) -> tuple:
-        """The kernel key of ``flat`` under ``group``'s current hyperparameters and options."""
+        """The kernel key of ``flat`` under ``group``'s current hyperparameters and options.
+
+        Kept per buffer while the group's validated settings (``flat.settings``, a new object at every
+        change) and the buffer's states are the same: a steady step does not rebuild it.
+        """
+        cached = self._keys.get(flat)
+        allocated = (len(flat.states), flat.master is None, flat.kahan is None)
+        if cached is not None and cached[0] is flat.settings and flat.settings is not None and cached[1] == allocated:
+            return cached[2]
+        key = self._key(group, flat)
+        self._keys[flat] = (flat.settings, allocated, key)
+        return key
+
+    def _key(self, group, flat) -> tuple:
         opt = self.opt_ref()
         cls = type(opt)
         structure, names = [], []
@@ -384,6 +410,31 @@ class KernelRunner:
         if finite is not None:
             args.append(finite)
         args += self._hyper(flat, names, group, coefficient_dtype(flat.device, key[3]))
+        return self._launch(opt, key, args, flat.device, counting)
+
+    def masked(self, group, flat, plan: tuple) -> bool:
+        """Run one masked update of ``flat`` (``plan``: the engine's ``(fixed, names, table)``) as one
+        compiled kernel; False when it must run eagerly instead (the caller does)."""
+        opt = self.opt_ref()
+        counting = _counting_kernels()
+        if opt is None or opt in _FALLEN_BACK or _is_compiling() or (_dispatch_mode_active() and counting is None):
+            return False
+        fixed, names, table = plan
+        if any(isinstance(v, torch.Tensor) for v in fixed.values()):
+            return False  # (a tensor hyperparameter: not a kernel key; the eager update takes it)
+        cls = type(opt)
+        states = [flat.states[n] for n in cls.group_state_names(group)]
+        key = ("masked", cls, tuple(sorted(fixed.items())), tuple(names), table.dtype,
+               (flat.dtype,) + tuple(s.dtype for s in states), str(flat.device))
+        if key in _BROKEN:
+            fall_back(opt, flat.device, _BROKEN[key])
+            return False
+        return self._launch(opt, key, [flat.data, flat.grad, *states, table, flat.owner()], flat.device, counting)
+
+    @staticmethod
+    def _launch(opt, key: tuple, args: list, device, counting) -> bool:
+        """Call ``key``'s kernel on ``args``: a compile failure or dynamo's recompile limit makes ``opt``
+        fall back, loudly and once (False: the caller runs eagerly); the caller's subnormal mode is kept."""
         fn = kernel(key)
         flushed = _denormals_flushed()
         frames = _frames_compiled()
@@ -395,7 +446,7 @@ class KernelRunner:
         except Exception as exc:  # compile errors surface at the first call
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             _BROKEN[key] = f"compilation failed ({type(exc).__name__}: {first})"
-            fall_back(opt, flat.device, _BROKEN[key])
+            fall_back(opt, device, _BROKEN[key])
             return False
         if not flushed and _denormals_flushed():
             # torch 2.4's inductor builds CPU kernels with -ffast-math; with gcc < 13 that links
@@ -405,5 +456,5 @@ class KernelRunner:
         if _frames_compiled() != frames and _cache_entries(fn) >= _recompile_limit():
             _BROKEN[key] = (f"dynamo's recompile limit ({_recompile_limit()}) was reached for kernel "
                             f"{_key_name(key)}; dynamo would run it uncompiled from now on")
-            fall_back(opt, flat.device, _BROKEN[key])
+            fall_back(opt, device, _BROKEN[key])
         return True

@@ -110,7 +110,7 @@ class FlatBuffer:
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
                  "grad_views", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
-                 "__weakref__")
+                 "_owner", "settings", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
                  bits: int | None = None):
@@ -137,6 +137,7 @@ class FlatBuffer:
         self.counter = StepCounter(len(self.params))
         self.precision: tuple | None = None
         self.owned = True
+        self.settings: tuple | None = None  # the group's validated settings at this buffer's last step (a token)
         if any(g is not None for g in map(_GRAD, self.params)):
             self.ensure_grad()
             self.gather_grads([i for i, p in enumerate(self.params) if p.grad is not None])
@@ -147,6 +148,7 @@ class FlatBuffer:
         """Offsets (aligned), sizes and per-block valid counts for parameters of ``sizes`` in this order."""
         self.sizes = list(sizes)
         self.offsets = _offsets(self.sizes, self.align)
+        self._owner: torch.Tensor | None = None
         self.valid = None
         if self.align > 1 and self.offsets[-1] != sum(self.sizes):
             counts = []
@@ -170,6 +172,16 @@ class FlatBuffer:
     def span(self, i: int) -> tuple[int, int]:
         """Element range ``[start, end)`` of parameter ``i``'s own values (no padding)."""
         return self.offsets[i], self.offsets[i] + self.sizes[i]
+
+    def owner(self) -> torch.Tensor:
+        """Per element, the index of the parameter it belongs to (its padding included): an int32 tensor
+        on the device, built the first time a step needs it (a masked step, see the engine) and kept
+        until the layout changes (4 bytes per element)."""
+        if self._owner is None:
+            lengths = torch.tensor([b - a for a, b in zip(self.offsets, self.offsets[1:])], dtype=torch.int64)
+            index = torch.repeat_interleave(torch.arange(len(self.sizes), dtype=torch.int32), lengths)
+            self._owner = index.to(self.device)  # (repeat_interleave falls back to the CPU on DirectML: built there)
+        return self._owner
 
     def block_valid(self, start: int, end: int) -> torch.Tensor | None:
         """Per-block valid counts of elements ``[start, end)`` (block-aligned), or None without padding."""
@@ -221,6 +233,24 @@ class FlatBuffer:
             if not self.staged:
                 for i in foreign:
                     self.params[i].grad = self.grad_views[i]
+
+    def gather_all(self, active: Sequence[bool]) -> bool:
+        """Gather every gradient and zero the slots of the parameters without one, in one ``cat``, when
+        each parameter with a gradient has a foreign one (fresh tensors, as after torch's
+        ``zero_grad(set_to_none=True)``) in an unpadded layout; False (nothing done) otherwise."""
+        if self.staged or self.align != 1:
+            return False
+        grads = [local_tensor(p.grad).reshape(-1) if a else None for p, a in zip(self.params, active)]
+        home = _storage(self.ensure_grad())
+        if any(g is not None and _storage(g) == home for g in grads):
+            return False  # (a view of our own buffer: cat cannot read what it writes)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            torch.cat([g if g is not None else zero.expand(n) for g, n in zip(grads, self.sizes)], out=self.grad)
+        for i, a in enumerate(active):
+            if a:
+                self.params[i].grad = self.grad_views[i]
+        return True
 
     def attach_grads(self) -> None:
         """Point every ``p.grad`` at its view of the flat gradient buffer (staged: no-op)."""

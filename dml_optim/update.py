@@ -37,7 +37,8 @@ import torch
 
 from dml_optim.quant import QuantizedState, block_mask, format_named
 
-__all__ = ["step_scalars", "run_rule", "fused_step", "conversion_count", "coefficient_dtype", "storage_dtype"]
+__all__ = ["step_scalars", "run_rule", "fused_step", "masked_scalars", "masked_step", "conversion_count",
+           "coefficient_dtype", "storage_dtype"]
 
 
 def storage_dtype(state) -> torch.dtype:
@@ -204,3 +205,49 @@ def fused_step(cls, structure: tuple, names: Sequence[str], compute_dtype: torch
     run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite, params_out=params_out,
              comp=comp, fused=True, scratch=(None,) * cls.scratch_slots, valid=valid)
     T.add_(finite.to(T.dtype) if finite is not None else 1)
+
+
+def masked_scalars(cls, hyper: Mapping[str, Any], counts: Sequence[int | None], sizes: Sequence[int], *,
+                   fold: bool) -> tuple[dict[str, Any], list[str], list[list[float]]]:
+    """The scalars of one masked update: ``(fixed, names, table)``.
+
+    ``counts``: per run of parameters, its completed steps, or None for a run without a gradient
+    (it takes the rule's no-op, ``skip_identity``, and its gradient slot must be zero);
+    ``sizes``: how many parameters each run has.  Structure (a scalar that is neither a step
+    coefficient nor has a no-op value: a sign, a flag) and a coefficient that is exactly 0
+    everywhere (it removes ops) are ``fixed`` Python values; with ``fold`` (eager) so is any
+    scalar that takes one value everywhere.  Every other scalar has a row in ``table`` with one
+    value per parameter, named by ``names`` in order (:func:`masked_step` gathers the rows to the
+    elements); a compiled kernel takes its values there, so a scheduler's new ``lr`` is data, not a
+    new kernel.
+    """
+    by_count = {n: step_scalars(cls, hyper, n, None) for n in dict.fromkeys(c for c in counts if c is not None)}
+    some = next(iter(by_count.values()))
+    idle = {**some, **{k: v for k, v in cls.skip_identity.items() if k in some}}  # a step that changes nothing
+    rows = [by_count[n] if n is not None else idle for n in counts]
+    coefficients = set(cls.coefficients(hyper, 0)) | set(cls.skip_identity)
+
+    def is_fixed(k: str) -> bool:
+        values = {row[k] for row in rows}
+        return (k not in coefficients or values == {0} and not isinstance(some[k], torch.Tensor)
+                or fold and len(values) == 1)
+
+    fixed = {k: v for k, v in some.items() if is_fixed(k)}
+    names = [k for k in some if k not in fixed]
+    table = [[float(row[k]) for row, size in zip(rows, sizes) for _ in range(size)] for k in names]
+    return fixed, names, table
+
+
+def masked_step(cls, fixed: Mapping[str, Any], names: Sequence[str], x: torch.Tensor, g: torch.Tensor,
+                *rest: torch.Tensor, scratch: Sequence[torch.Tensor | None] | None = None) -> None:
+    """One masked update in place (eager, and as the compiled backend traces it).
+
+    ``rest``: ``*states, table, owner``: ``table`` has one row per name of ``names`` and one
+    column per parameter (:func:`masked_scalars`), ``owner`` the parameter index of every element
+    (int32); each row is gathered to the elements and the rule runs once over the whole range.
+    """
+    *states, table, owner = rest
+    scalars = dict(fixed)
+    if names:
+        scalars.update(zip(names, table.index_select(1, owner).unbind(0)))
+    cls.rule(x, g, *states, scratch=list(scratch) if scratch is not None else [None] * cls.scratch_slots, **scalars)

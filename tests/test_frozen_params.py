@@ -670,3 +670,91 @@ def test_construction_peak_on_cuda(pack_via):
     model(x).square().mean().backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# -- changing None patterns: one masked update, no re-pack ---------------------------------------------
+
+
+def _changing_patterns(pair: Pair, backend: str, *, n: int = 24, size: int = 96, steps: int = 14, seed: int = 12):
+    """``n`` parameters with a gradient for a seeded random 70% of them each step (fresh tensors, as after
+    ``zero_grad(set_to_none=True)``), ours (``backend``) and torch side by side.  Yields per step
+    ``(k, ops, distinct, order, ps, ts, opt, topt)``: ``order`` is the buffer's parameter order after the
+    step, ``distinct`` the step counts among the parameters with a gradient (the test's own count)."""
+    gen = torch.Generator().manual_seed(seed)
+    ps = [nn.Parameter(torch.randn(size, generator=gen, dtype=torch.float64)) for _ in range(n)]
+    ts = [nn.Parameter(p.detach().clone()) for p in ps]
+    opt, topt = pair.ours(ps), pair.theirs(ts)
+    for group in opt.param_groups:
+        group["backend"] = backend
+    counts = [0] * n
+    for k in range(steps):
+        active = (torch.rand(n, generator=gen) < 0.7).tolist()
+        grads = [torch.randn(size, generator=gen, dtype=torch.float64) for _ in range(n)]
+        for p, t, a, g in zip(ps, ts, active, grads):
+            p.grad = g.clone() if a else None
+            t.grad = g.clone() if a else None
+        distinct = len({counts[i] for i, a in enumerate(active) if a})
+        ops = count_ops(opt.step)
+        topt.step()
+        counts = [c + a for c, a in zip(counts, active)]
+        (info,) = opt.flat_buffers()
+        yield k, ops, distinct, list(info.param_indices), ps, ts, opt, topt
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+def test_changing_none_patterns_step_once_in_place_and_equal_torch(pair, backend):
+    """Parameters at several step counts under a pattern of ``None`` gradients that changes every step
+    step in one masked update: the buffer keeps its parameter order (no re-pack), the op count of a
+    step is the same whatever the pattern (eager; compiled: the rule is one kernel), and parameters
+    and states equal torch.optim's at every step."""
+    from dml_optim.compiled import compile_available
+
+    if backend == "compiled" and not compile_available("cpu")[0]:
+        pytest.skip(f"torch.compile unavailable on this CPU: {compile_available('cpu')[1]}")
+    masked_ops = []
+    order_before = None
+    for k, ops, distinct, order, ps, ts, opt, topt in _changing_patterns(pair, backend):
+        for p, t in zip(ps, ts):
+            assert_close(p.detach(), t.detach())
+        if distinct >= 2:
+            assert order == order_before, (k, "re-packed")
+            masked_ops.append(ops)
+        order_before = order
+    masked_ops = set(masked_ops[1:])  # (the first masked step also builds the buffer's owner index, once)
+    assert masked_ops, "the pattern never left parameters at several step counts: the test is vacuous"
+    if backend == "eager":
+        assert len(masked_ops) == 1, masked_ops
+        (ops,) = masked_ops
+        # one gather (a cat, None slots zeroed in it), the per-parameter table (its fill, and a
+        # gather to the elements), and the rule with tensor scalars: within the bound of 2 counts
+        assert ops <= op_bound(pair, 2), (ops, op_bound(pair, 2))
+    else:
+        # the gather (a cat; with None gradients, of zeros too: one fill), the table, the kernel
+        assert max(masked_ops) <= 4, masked_ops
+    _assert_states_like_torch(opt, topt, pair)
+
+
+@pytest.mark.slow
+def test_auto_compiles_the_masked_update_of_a_large_buffer():
+    """``backend="auto"`` runs the masked update of a buffer of 2**16 elements or more as one compiled
+    kernel (on a CPU with a compiler), and its result equals the eager masked update's."""
+    from dml_optim import compiled
+    from dml_optim.backends import AUTO_COMPILE_MIN_ELEMENTS_MASKED
+
+    if not compiled.compile_available("cpu")[0]:
+        pytest.skip(f"torch.compile unavailable on this CPU: {compiled.compile_available('cpu')[1]}")
+    size = AUTO_COMPILE_MIN_ELEMENTS_MASKED["cpu"] // 8
+    runs = {}
+    for backend in ("auto", "eager"):
+        torch.manual_seed(3)
+        ps = [nn.Parameter(torch.randn(size)) for _ in range(8)]
+        opt = dml_optim.AdamW(ps, lr=1e-2, backend=backend)
+        for k in range(4):
+            for i, p in enumerate(ps):
+                p.grad = torch.full_like(p, 0.1 * (i + 1)) if (i + k) % 3 else None
+            opt.step()
+        runs[backend] = [p.detach().clone() for p in ps]
+    assert any("masked" in name for name in compiled.cache_info()["compiled"])
+    for a, b in zip(runs["auto"], runs["eager"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

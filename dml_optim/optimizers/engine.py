@@ -32,7 +32,8 @@ from dml_optim.flat import FlatBuffer, describe_param
 from dml_optim.steps import StepClass
 from dml_optim.options import CHUNK_ELEMENTS, LOW_PRECISION_DTYPES
 from dml_optim.quant import QuantizedState, format_for
-from dml_optim.update import coefficient_dtype, conversion_count, run_rule, step_scalars, storage_dtype
+from dml_optim.update import (coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule, step_scalars,
+                              storage_dtype)
 
 __all__ = ["EngineMixin"]
 
@@ -155,12 +156,17 @@ class EngineMixin:
 
     def _run(self, work, gate: Callable[[dict, FlatBuffer], torch.Tensor | None]) -> None:
         """Plan every class update (checks and host coefficients), then commit them."""
-        from dml_optim.backends import compiles, runner_for
+        from dml_optim.backends import compiles, masked_runner, runner_for
 
         cls = type(self)
         planned = []
         for group, flat in work:
             finite = gate(group, flat)
+            if finite is None and len(flat.counter.classes) > 1 and self._masks(group, flat):  # one update, all of it
+                runner = masked_runner(self, group, flat)
+                self._ensure_scratch(group, flat, True, runner is not None or compiles(self, group, flat))
+                planned.append((group, flat, None, None, runner, None, self._masked_plan(group, flat, runner is not None)))
+                continue
             runner, key = runner_for(self, group, flat)
             self._ensure_scratch(group, flat, finite is not None, runner is not None or compiles(self, group, flat))
             for c in flat.counter.classes:
@@ -168,15 +174,49 @@ class EngineMixin:
                     continue
                 scalars = None  # host scalars whenever the host knows the count (also a declined runner's fallback)
                 if c.count is not None:
-                    if c.count + 1 > cls.max_step:
-                        raise OverflowError(
-                            f"{cls.__name__}: this would be step {c.count + 1} of a parameter, beyond the "
-                            f"{cls.max_step} steps it can count ({cls.max_step_reason}); nothing was updated")
+                    self._check_step_limit(c.count)
                     if finite is None and not group["capturable"]:
                         scalars = step_scalars(cls, group, c.count, None)
                         self._check_range(group, flat, scalars)
                 planned.append((group, flat, c, finite, runner, key, scalars))
         self._commit(work, planned)
+
+    def _masks(self, group, flat: FlatBuffer) -> bool:
+        """Whether ``flat`` steps as one masked update (:meth:`_masked_scalars`): its parameters with a
+        gradient have two or more step counts, all known on the host; not ``capturable``; operands in
+        the compute dtype (no chunks, no Kahan, no quantized states); its own storage."""
+        if group["capturable"] or not flat.owned or flat.staged or self._converts(group, flat):
+            return False
+        counts = {c.count for c in flat.counter.classes if c.active}
+        return len(counts) >= 2 and None not in counts
+
+    def _masked_plan(self, group, flat: FlatBuffer, compiled: bool) -> tuple:
+        """``(fixed, names, table)`` of one masked update of ``flat`` (range-checked, nothing written).
+
+        Parameters with a gradient at several step counts would take one update per count, and a
+        re-pack whenever ``None`` gradients leave a count's parameters in pieces.  Instead the buffer
+        steps once, in place and in its order (:func:`dml_optim.update.masked_step`): every scalar
+        that differs between parameters has one value per parameter (the host's, for the
+        parameter's count; the rule's no-op for a parameter without a gradient, whose gradient
+        slot is zero), gathered to the elements by their owners (:meth:`FlatBuffer.owner`).  The op
+        count does not depend on the pattern; the cost is the owner index (4 bytes per element,
+        kept) and one compute-dtype tensor per varying scalar while the step runs (eager).
+        """
+        classes = flat.counter.classes
+        for count in {c.count for c in classes if c.active}:
+            self._check_step_limit(count)
+            self._check_range(group, flat, step_scalars(type(self), group, count, None))
+        fixed, names, rows = masked_scalars(type(self), group, [c.count if c.active else None for c in classes],
+                                            [c.stop - c.first for c in classes], fold=not compiled)
+        table = torch.tensor(rows, dtype=self._compute_dtype(group, flat.dtype, flat.bits), device=flat.device)
+        return fixed, names, table.view(len(names), len(flat))
+
+    def _check_step_limit(self, count: int) -> None:
+        """Refuse a step beyond the count the class can represent (before any write)."""
+        cls = type(self)
+        if count + 1 > cls.max_step:
+            raise OverflowError(f"{cls.__name__}: this would be step {count + 1} of a parameter, beyond the "
+                                f"{cls.max_step} steps it can count ({cls.max_step_reason}); nothing was updated")
 
     def _check_range(self, group, flat: FlatBuffer, scalars: dict[str, Any]) -> None:
         """Refuse per-step scalars the compute dtype cannot hold (before any write)."""
@@ -200,7 +240,13 @@ class EngineMixin:
         done = 0
         try:
             for group, flat, c, finite, runner, key, scalars in planned:
-                if runner is None or not runner(group, flat, c, finite, key):
+                if c is None:  # one masked update of the whole buffer
+                    if runner is None or not runner.masked(group, flat, scalars):
+                        self._apply_masked(group, flat, scalars)
+                    for k in flat.counter.classes:
+                        if k.active:
+                            k.tensor = None  # the host count advances; a stale device mirror is dropped
+                elif runner is None or not runner(group, flat, c, finite, key):
                     self._apply_eager(group, flat, c, finite, scalars)
                 done += 1
             for _, flat in work:
@@ -230,6 +276,14 @@ class EngineMixin:
             tensors += flat.tensors()
             tensors += [c.tensor for c in flat.counter.classes if c.tensor is not None]
         return [(t, t.clone()) for t in tensors]
+
+    def _apply_masked(self, group, flat: FlatBuffer, plan: tuple) -> None:
+        """One masked update over the whole buffer (:meth:`_masked_plan`), eager; the host counts advance."""
+        cls = type(self)
+        fixed, names, table = plan
+        n = len(flat.scratch) if flat.scratch and len(flat.scratch[0]) >= flat.numel else 0
+        masked_step(cls, fixed, names, flat.data, flat.grad, *[flat.states[k] for k in cls.group_state_names(group)],
+                    table, flat.owner(), scratch=flat.scratch[:n] + [None] * (cls.scratch_slots - n))
 
     def _apply_eager(self, group, flat: FlatBuffer, c: StepClass, finite, scalars) -> None:
         """The eager rule over one class, with counts on the host (``scalars`` given) or on the device."""

@@ -62,8 +62,13 @@ class GroupLayout:
 
 
 def _items(group: dict) -> tuple:
-    """A group's settings as a comparable tuple (``params`` left out)."""
-    return tuple((k, type(v), v) for k, v in group.items() if k != "params")  # True == 1.0: types count
+    """A group's settings as a comparable tuple: keys, values and their types (True == 1.0: types count).
+
+    Three C-level passes: ``==`` on tuples tries ``is`` before ``__eq__``, so the unchanged ``params``
+    list (whose contents are the layout's business) and unchanged values cost a pointer comparison.
+    """
+    values = tuple(group.values())
+    return tuple(group), values, tuple(map(type, values))
 
 
 def _unchanged(group: dict, checked: tuple | None) -> bool:
@@ -133,7 +138,8 @@ class LayoutMixin:
             else:
                 bindings = plan.bindings
             for flat, binding in zip(layout.buffers, bindings):
-                active = self._bind(flat, binding)
+                flat.settings = layout.checked
+                active = self._bind(group, flat, binding)
                 if active is not None and not any(active):
                     continue
                 self._ensure_state(group, flat)
@@ -244,13 +250,14 @@ class LayoutMixin:
             self._check_param(p, flat.indices[i], gi)
         return t.dtype != flat.dtype or t.device != flat.device or not flat.owned
 
-    def _bind(self, flat: FlatBuffer, binding: Binding | None) -> list[bool] | None:
+    def _bind(self, group: dict[str, Any], flat: FlatBuffer, binding: Binding | None) -> list[bool] | None:
         """Adopt re-bound parameters, order the step classes, gather foreign gradients.
 
-        Parameters that step together are made contiguous first (a re-pack,
-        when ``None`` gradients left a class in pieces), so that gathering and
-        zeroing then cost one op per contiguous run.  Returns which parameters
-        have a gradient (None: all of them).
+        A buffer that steps in one masked update (the engine's ``_masks``: counts on the host, no
+        conversions) keeps its order whatever the ``None`` gradients; otherwise parameters that step
+        together are made contiguous first (a re-pack, when ``None`` gradients left a class in
+        pieces), so that the rule runs once per step count.  Returns which parameters have a
+        gradient (None: all of them).
         """
         active = foreign = None
         if binding is not None:
@@ -266,7 +273,7 @@ class LayoutMixin:
             counter.classes[0].active = True
         else:
             counter.split(active)
-            order = counter.order()
+            order = None if group["nonfinite"] != "skip" and self._masks(group, flat) else counter.order()
             if order is not None and flat.owned:
                 flat.permute(order)
                 where = {i: pos for pos, i in enumerate(order)}
@@ -276,6 +283,8 @@ class LayoutMixin:
                     for i, a in enumerate(active):
                         permuted[where[i]] = a
                     active = permuted
+        if active is not None and foreign and len(foreign) == sum(active) and flat.gather_all(active):
+            return active  # (one op: every gradient gathered, every None slot zeroed)
         if foreign:
             flat.gather_grads(foreign)
         if active is not None:  # slots of None gradients may hold an old gradient (inf included)
