@@ -77,6 +77,27 @@ def test_our_step_is_within_the_budget(name, hyper):
     _assert_budget(report)
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw", "adagrad", "momentum", "sgd", "dml-adam"])
+def test_a_masked_step_is_native_and_syncs_nothing(name):
+    """Parameters at several step counts with ``None`` gradients (one masked update): every op native in
+    the DirectML table, no fallback, no host sync, and at most the op budget of two flat buffers."""
+    shapes = _shapes()
+    params = _params(shapes)
+    opt = build(name, params, backend="eager")
+    grads = [p.grad for p in params]
+    for k in range(3):  # every other parameter skips a step: two step counts, and a None pattern
+        for i, (p, g) in enumerate(zip(params, grads)):
+            p.grad = g.clone() if (i + k) % 2 or k == 0 else None
+        opt.step()
+    for i, (p, g) in enumerate(zip(params, grads)):
+        p.grad = g.clone() if i % 3 else None
+    report = audit_step(opt)
+    assert len({c for c, p in zip(opt.flat_buffers()[0].step_counts, params) if p.grad is not None}) >= 2
+    assert report.all_native, report.non_native()
+    assert report.fallbacks == [] and report.host_syncs == 0 and report.cpu_step_reads == 0
+    assert report.total_ops <= 2 * OPS_PER_FLAT_BUFFER * report.flat_buffers, report.format()
+
+
 @pytest.mark.parametrize("mode", [dict(compute_dtype=torch.float32), dict(compute_dtype=torch.float32,
                                   state_dtype=torch.float32), dict(master_weights=True),
                                   dict(kahan=True, state_dtype=torch.float32)],

@@ -21,7 +21,7 @@ from dml_optim.cli import main
 from dml_optim.optimizers.dml_adam import UINT32_MAX
 from tolerances import assert_close
 from introspect import buffers
-from matrix import classes
+from matrix import cases, classes
 
 F64 = torch.float64
 
@@ -111,6 +111,44 @@ def test_none_grad_params_are_skipped_exactly_like_torch_optim():
                 assert_close(sd[i]["exp_avg_sq"], rsd[i]["exp_avg_sq"])
     steps = {i: float(ours.state_dict()["state"][i]["step"]) for i in range(4)}
     assert steps == {0: 7.0, 1: 7.0, 2: 7.0, 3: 8.0}  # 10 steps minus the skips
+
+
+@pytest.mark.parametrize("case", cases(variants="all", dtypes=(F64,), devices=("cpu",))
+                         + cases(dtypes=(F64,), devices=("cpu",), backends=("compiled",)))
+def test_changing_none_patterns_follow_the_reference_per_parameter(case):
+    """Every variant, under ``None`` gradients that change every step (parameters at several step counts:
+    one masked update): each parameter with a gradient takes the float64 reference step from its own
+    pre-step values and its own count; each one without keeps its values and state bit for bit."""
+    gen = torch.Generator().manual_seed(21)
+    shapes = [(5,), (2, 3), (), (4,), (3, 1), (7,), (2, 2), (1,), (6,), (3,)]
+    params = case.params(shapes, seed=4)
+    opt = case.build(params, backend=case.backend)
+    counts = [0] * len(params)
+    distinct = 0
+    for k in range(7):
+        active = [(i * 7 + k * 3) % 5 < 3 or k == 0 for i in range(len(params))]
+        distinct = max(distinct, len({c for c, a in zip(counts, active) if a}))
+        grads = [case.randn(s, gen) if a else None for s, a in zip(shapes, active)]
+        state = copy.deepcopy(opt.state_dict()["state"])
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        after = opt.state_dict()["state"]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is None:
+                assert torch.equal(p.detach(), before[i]), (k, i)
+                for name in case.states if i in state else ():
+                    assert torch.equal(after[i][name], state[i][name]), (k, i, name)
+                continue
+            old = [state[i][n] if i in state else torch.full_like(before[i], case.cls.initial_state(opt.param_groups[0], n))
+                   for n in case.states]
+            x, s = case.reference_step(case.hyper, counts[i], before[i], g, old)
+            assert_close(p.detach(), x)
+            for name, ref in zip(case.states, s):
+                assert_close(after[i][name], ref)
+            counts[i] += 1
+    assert distinct >= 2  # several step counts at once: masked updates
 
 
 def test_step_with_no_gradient_at_all_changes_nothing():
