@@ -90,13 +90,13 @@ def runner_for(opt, group: dict[str, Any], flat) -> tuple[_compiled.KernelRunner
         return None, None
     if _compiled._is_compiling() or (_compiled._dispatch_mode_active() and not _compiled._counting_kernels()):
         return None, None  # the eager rule, so a dispatch mode sees real ops (not a warning: meant to happen)
-    if resolve(backend, flat.device, flat.numel, flat.bits is not None) == "eager":
-        if backend == "compiled":
-            _compiled.fall_back(opt, flat.device, _compiled.compile_available(flat.device.type)[1])
-        return None, None
     runner = _RUNNERS.get(opt)
     if runner is None:
         runner = _RUNNERS[opt] = _compiled.KernelRunner(opt)
+    if runner.resolved(group, flat) == "eager":
+        if backend == "compiled":
+            _compiled.fall_back(opt, flat.device, _compiled.compile_available(flat.device.type)[1])
+        return None, None
     key = runner.key(group, flat)
     reason = _compiled._BROKEN.get(key)
     if reason is not None:  # another optimizer found this kernel broken: this one is told too, once

@@ -82,10 +82,12 @@ _KERNELS: dict[tuple, Any] = {}
 _BROKEN: dict[tuple, str] = {}
 
 
+_IS_COMPILING = getattr(torch.compiler, "is_compiling", None) or getattr(torch._dynamo, "is_compiling", None)
+
+
 def _is_compiling() -> bool:
     """True while dynamo traces the caller (e.g. a user's compiled training step)."""
-    check = getattr(torch.compiler, "is_compiling", None) or getattr(torch._dynamo, "is_compiling", None)
-    return bool(check and check())
+    return bool(_IS_COMPILING and _IS_COMPILING())
 
 
 def _dispatch_mode_active() -> bool:
@@ -99,6 +101,8 @@ def _dispatch_mode_active() -> bool:
 
 def _counting_kernels():
     """The active op recorder that counts compiled kernels (``OpRecorder(compiled=True)``), or None."""
+    if _python_dispatch._get_current_dispatch_mode() is None:
+        return None
     from dml_optim.opcount import active_recorder
 
     recorder = active_recorder()
@@ -290,10 +294,16 @@ def _cache_entries(fn) -> int:
     return len(_debug_get_cache_entry_list(fn._dml_code))
 
 
-def _frames_compiled() -> int:
+@functools.lru_cache(maxsize=None)
+def _dynamo_counters() -> dict:
     from torch._dynamo.utils import counters
 
-    return counters["frames"]["total"]
+    return counters  # (one object for the process; a reset clears it, it is not replaced)
+
+
+def _frames_compiled() -> int:
+    """Frames dynamo has compiled so far in this process (a new one: a compile or a recompile)."""
+    return _dynamo_counters()["frames"]["total"]
 
 
 def _denormals_flushed() -> bool:
@@ -321,13 +331,22 @@ class KernelRunner:
         Kept per buffer while the group's validated settings (``flat.settings``, a new object at every
         change) and the buffer's states are the same: a steady step does not rebuild it.
         """
+        return self._cached(group, flat)[0]
+
+    def resolved(self, group, flat) -> str:
+        """``backends.resolve`` for ``flat`` under ``group``'s backend option, kept like :meth:`key`."""
+        return self._cached(group, flat)[1]
+
+    def _cached(self, group, flat) -> tuple[tuple, str]:
         cached = self._keys.get(flat)
-        allocated = (len(flat.states), flat.master is None, flat.kahan is None)
+        allocated = (len(flat.states), flat.master is None, flat.kahan is None, flat.numel)
         if cached is not None and cached[0] is flat.settings and flat.settings is not None and cached[1] == allocated:
             return cached[2]
-        key = self._key(group, flat)
-        self._keys[flat] = (flat.settings, allocated, key)
-        return key
+        from dml_optim.backends import resolve
+
+        value = (self._key(group, flat), resolve(group["backend"], flat.device, flat.numel, flat.bits is not None))
+        self._keys[flat] = (flat.settings, allocated, value)
+        return value
 
     def _key(self, group, flat) -> tuple:
         opt = self.opt_ref()

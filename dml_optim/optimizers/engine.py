@@ -37,6 +37,9 @@ from dml_optim.update import (coefficient_dtype, conversion_count, masked_scalar
 
 __all__ = ["EngineMixin"]
 
+#: The largest finite value of each compute dtype (``torch.finfo`` is not free on every step).
+_LIMITS: dict[torch.dtype, float] = {}
+
 
 class EngineMixin:
     """The running half of a flat optimizer (see the module docstring)."""
@@ -221,7 +224,7 @@ class EngineMixin:
     def _check_range(self, group, flat: FlatBuffer, scalars: dict[str, Any]) -> None:
         """Refuse per-step scalars the compute dtype cannot hold (before any write)."""
         cdtype = self._compute_dtype(group, flat.dtype, flat.bits)
-        limit = torch.finfo(cdtype).max
+        limit = _LIMITS.get(cdtype) or _LIMITS.setdefault(cdtype, torch.finfo(cdtype).max)
         for name, value in scalars.items():
             if isinstance(value, float) and abs(value) > limit:
                 raise ValueError(f"{name}={value!r} (from the hyperparameters of this param group) is beyond the "
