@@ -185,13 +185,22 @@ class EngineMixin:
         self._commit(work, planned)
 
     def _masks(self, group, flat: FlatBuffer) -> bool:
-        """Whether ``flat`` steps as one masked update (:meth:`_masked_scalars`): its parameters with a
-        gradient have two or more step counts, all known on the host; not ``capturable``; operands in
-        the compute dtype (no chunks, no Kahan, no quantized states); its own storage."""
+        """Whether ``flat`` steps as one masked update (:meth:`_masked_plan`): its parameters with a
+        gradient have two or more step counts, all known on the host, in three or more runs (or two,
+        when the masked update compiles); not ``capturable``; operands in the compute dtype (no
+        chunks, no Kahan, no quantized states); its own storage."""
         if group["capturable"] or not flat.owned or flat.staged or self._converts(group, flat):
             return False
-        counts = {c.count for c in flat.counter.classes if c.active}
-        return len(counts) >= 2 and None not in counts
+        active = [c.count for c in flat.counter.classes if c.active]
+        if len(set(active)) < 2 or None in active:
+            return False
+        if len(active) >= 3:
+            return True
+        # two runs (e.g. the layers unfrozen last, and the others): two plain eager rules cost fewer
+        # passes over memory than one masked eager update; one compiled kernel beats two
+        from dml_optim.backends import masked_runner
+
+        return masked_runner(self, group, flat) is not None
 
     def _masked_plan(self, group, flat: FlatBuffer, compiled: bool) -> tuple:
         """``(fixed, names, table)`` of one masked update of ``flat`` (range-checked, nothing written).
