@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import readme_tables  # noqa: E402
 
+from dml_optim.benchmark import record_targets  # noqa: E402
 from dml_optim.benchmark.lowbit import CANDIDATES  # noqa: E402
 from dml_optim.benchmark.targets import reference, speed_row  # noqa: E402
+from test_bench_smoke import construction_record, nonepattern_record  # noqa: E402
 
 
 def test_readme_holds_what_the_script_writes():
@@ -97,3 +99,58 @@ def test_render_replaces_only_between_the_markers_and_names_a_missing_one():
     assert readme_tables.render(text, {"X": "new"}) == "a\n<!-- X -->\nnew\n<!-- /X -->\nb\n"
     with pytest.raises(ValueError, match="<!-- Y -->"):
         readme_tables.render(text, {"Y": "new"})
+
+
+def test_a_document_without_row_targets_shows_what_it_has():
+    """The committed documents predate the targets beside each row and the None-pattern and construction rows:
+    no targets column, no such tables, every target in the one targets table."""
+    cpu, cuda = readme_tables._load("cpu"), readme_tables._load("cuda")
+    section = readme_tables.bench_section(cpu, cuda)
+    assert "| targets |" not in section and "None gradients" not in section and "construction + first step" not in section
+    for doc in (cpu, cuda):
+        assert all(f"| {t['target']} |" in section for t in doc["targets"])
+
+
+def _newer(doc: dict) -> dict:
+    """``doc`` as a run of today writes it: None-pattern and construction records, targets checked and stored
+    beside their rows."""
+    doc = copy.deepcopy(doc)
+    ours = "dml_optim auto"
+    doc["nonepattern"] = [nonepattern_record("adamw", {(ours, "changing"): 3.0, (ours, "steady"): 1.0,
+                                                       ("torch fused", "changing"): 4.0}),
+                          nonepattern_record("momentum", {("torch fused", "changing"): None})]
+    doc["construction"] = [construction_record("adamw", ours=3.0, fused=2.5)]
+    record_targets(doc)
+    return doc
+
+
+def test_a_document_with_row_targets_shows_each_beside_its_row():
+    cpu, cuda = _newer(readme_tables._load("cpu")), readme_tables._load("cuda")
+    section = readme_tables.bench_section(cpu, cuda)
+    cpu_part, cuda_part = section.split("Measured on an NVIDIA")
+    lines = cpu_part.splitlines()
+
+    def line(*cells: str) -> str:
+        (found,) = [x for x in lines if x.startswith("| " + " | ".join(cells) + " |")]
+        return found
+
+    # speed and frozen rows: their targets in the last column, PASS / MISS / not measured (what is missing)
+    assert line("resnet50", "adam").endswith("| >= 1.1x torch fused: MISS |")
+    assert line("many-small", "adam").endswith("| >= 3.0x torch foreach: PASS; >= 1.0x torch fused: PASS |")
+    assert line("one-64m", "momentum").endswith("| >= 70% of the triad: PASS; >= 1.0x torch fused: MISS |")
+    assert line("unfreeze-4of16x512 (1,050,624 / 4,202,496)", "momentum").endswith(
+        "| >= 1.0x torch fused: not measured (torch fused n/a) |")
+    # the new rows' tables, with their targets
+    assert line("adamw", "3.00 (3.00-3.00)", "1.00 (1.00-1.00)", "3.00x").endswith(
+        "| <= 1.5x the steady step: MISS; >= 1.0x torch fused: PASS |")
+    assert line("momentum", "1.00 (1.00-1.00)", "1.00 (1.00-1.00)", "1.00x").endswith(
+        "| <= 1.5x the steady step: PASS; >= 1.0x torch fused: not measured (torch fused (changing) n/a) |")
+    assert line("linear-16x512", "adamw", "compiled: 3.00 (3.00-3.00)", "2.50 (2.50-2.50)", "1.20x").endswith(
+        "| <= 1.5x torch fused: PASS |")
+    # the targets table lists the others, once; the counts cover all
+    counts = {s: sum(t["status"] == s for t in cpu["targets"]) for s in ("PASS", "MISS", "not measured")}
+    assert f"Targets: {counts['PASS']} PASS, {counts['MISS']} MISS, {counts['not measured']} not measured in all." in cpu_part
+    for t in cpu["targets"]:
+        assert (f"| {t['target']} |" in cpu_part) is (t.get("row") is None), t["target"]
+    # the CUDA document, older, keeps its single targets table
+    assert all(f"| {t['target']} |" in cuda_part for t in cuda["targets"])

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's dml_optim, also when it is not 
 from dml_optim.benchmark import default_workloads, report  # noqa: E402
 from dml_optim.benchmark.targets import reference, speed_row  # noqa: E402
 from dml_optim.benchmark.timing import reference_name  # noqa: E402
+from dml_optim.benchmark.workloads import FROZEN_PREFIXES  # noqa: E402
 
 README = ROOT / "README.md"
 #: The committed documents the tables are written from (paths relative to the repository root).
@@ -46,10 +47,9 @@ AUDIT_ROWS = (
     ("momentum", "resnet50"), ("adam", "bert-base-uncased"), ("adam", "many-small"),
 )
 #: Rows of the benchmark tables, in order.
-_SPEED_WORKLOADS = {"cpu": ("resnet50", "bert-base-uncased", "gpt2", "many-small", "one-64m"),
+_SPEED_WORKLOADS = {"cpu": ("resnet50", "bert-base-uncased", "gpt2", "many-small", "one-256k", "one-1m", "one-64m"),
                     "cuda": ("resnet50", "bert-base-uncased", "gpt2", "one-256m", "many-small")}
 _OPTIMIZERS = ("adam", "adamw", "adagrad", "momentum")
-_FROZEN_OPTIMIZERS = ("adam", "adamw")
 #: Paragraphs are wrapped at this width.
 _WIDTH = 100
 
@@ -146,19 +146,31 @@ def _machine(doc: dict, source: str) -> str:
 
 def _command(doc: dict) -> str:
     """The command line that measures ``doc``'s rows again (thread count and workloads as recorded)."""
-    works = [w["name"] for w in doc["workloads"] if not w["name"].startswith(("lora-", "unfreeze-"))]
+    works = [w["name"] for w in doc["workloads"] if not w["name"].startswith(FROZEN_PREFIXES)]
     named = "" if tuple(works) == default_workloads(doc["device"].split(":")[0]) else " --workloads " + " ".join(works)
     return f"OMP_NUM_THREADS={doc['machine']['torch_threads']} dml-optim bench{named}"
 
 
-def _speed_table(doc: dict, device: str) -> list[str]:
+def _row_targets(doc: dict) -> bool:
+    """Whether ``doc`` stores each speed and frozen row's targets beside it (the committed documents of 2026-11-23 do not)."""
+    return any("targets" in r for r in doc["references"])
+
+
+def _targets_cell(ref: dict, shown: set[str]) -> list[str]:
+    """The last cell of a speed or frozen row: its targets, where the document stores them beside it."""
+    return [report.target_cells(ref["targets"], shown)] if "targets" in ref else []
+
+
+def _speed_table(doc: dict, device: str, shown: set[str]) -> list[str]:
     cuda = device == "cuda"
     ref_name = reference_name(doc).removeprefix("the ")
     header = ["workload", "optimizer", "dml_optim ms (backend `auto` picks)"]
     header += ["dml_optim kernel ms", "torch fused kernel ms"] if cuda else []
     header += ["torch fused ms", "torch foreach ms", "dml_optim vs torch fused", "dml_optim vs best torch.optim",
                f"dml_optim % of {ref_name}", "optimizer MB: dml_optim / torch fused"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(header) - 2)) + "|"]
+    targets = ["targets"] if _row_targets(doc) else []
+    align = ["---", "---"] + ["---:"] * (len(header) - 2) + ["---"] * len(targets)
+    lines = ["| " + " | ".join(header + targets) + " |", "|" + "|".join(align) + "|"]
     for work in _SPEED_WORKLOADS[device]:
         for optimizer in _OPTIMIZERS:
             ref = reference(doc, optimizer, work)
@@ -172,19 +184,21 @@ def _speed_table(doc: dict, device: str) -> list[str]:
             cells += [_ms(mine, "kernel_ms"), _ms(fused, "kernel_ms")] if cuda else []
             vs_fused = "n/a" if fused is None else f"{fused['ms_per_step'] / mine['ms_per_step']:.2f}x"
             cells += [_ms(fused), _ms(foreach), vs_fused, f"{mine['ratio_to_best_torch']:.2f}x",
-                      f"{100 * mine['fraction_of_reference']:.0f}%", f"{_mb(mine)} / {_mb(fused)}"]
+                      f"{100 * mine['fraction_of_reference']:.0f}%", f"{_mb(mine)} / {_mb(fused)}", *_targets_cell(ref, shown)]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _frozen_table(doc: dict) -> list[str]:
-    works = [w["name"] for w in doc["workloads"] if w["name"].startswith(("lora-", "unfreeze-"))]
+def _frozen_table(doc: dict, shown: set[str]) -> list[str]:
+    works = [w["name"] for w in doc["workloads"] if w["name"].startswith(FROZEN_PREFIXES)]
+    targets = _row_targets(doc)
     lines = ["| model (trainable / all elements) | optimizer | dml_optim ms (`auto`) | torch fused ms | torch foreach ms | "
-             "ops per step: dml_optim / torch foreach | state MB: dml_optim / torch fused | first step ms: dml_optim / torch fused |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "ops per step: dml_optim / torch foreach | state MB: dml_optim / torch fused | first step ms: dml_optim / torch fused |"
+             + (" targets |" if targets else ""),
+             "|---|---|---:|---:|---:|---:|---:|---:|" + ("---|" if targets else "")]
     sizes = {w["name"]: w for w in doc["workloads"]}
     for work in works:
-        for optimizer in _FROZEN_OPTIMIZERS:
+        for optimizer in _OPTIMIZERS:
             ref = reference(doc, optimizer, work)
             mine = _row(doc, optimizer, work, f"dml_optim {ref['auto_backend']}") if ref else None
             if mine is None:
@@ -194,7 +208,8 @@ def _frozen_table(doc: dict) -> list[str]:
             lines.append(f"| {work} ({w['trainable_elements']:,} / {w['elements']:,}) | {optimizer} | {_ms(mine)} "
                          f"({ref['auto_backend']}) | {_ms(fused)} | {_ms(foreach)} | {mine['ops_per_step']} / "
                          f"{'n/a' if foreach is None else foreach['ops_per_step']} | {_mb(mine)} / {_mb(fused)} | "
-                         f"{_ms(mine, 'first_step_ms')} / {_ms(fused, 'first_step_ms')} |")
+                         f"{_ms(mine, 'first_step_ms')} / {_ms(fused, 'first_step_ms')} |"
+                         + "".join(f" {c} |" for c in _targets_cell(ref, shown)))
     return lines
 
 
@@ -215,8 +230,38 @@ def _blocks(*blocks: list[str]) -> list[str]:
     return [line for block in blocks if block for line in (*block, "")]
 
 
+def _new_rows(doc: dict, shown: set[str]) -> list[str]:
+    """The None-pattern and construction tables with their note, where ``doc`` has them (the committed documents of
+    2026-11-23 do not); their targets' names go to ``shown``."""
+    tables = [report.nonepattern_table(doc, shown), report.construction_table(doc, shown)]
+    if not any(tables):
+        return []
+    return [_fill("None gradients: at each step a seeded random 70% of 40 tensors of 128 x 128 have a gradient and the "
+                  "others `None`, the pattern changing every step (64 patterns, cycled), beside steady steps with every "
+                  "gradient, assigned the same way; medians (fastest-slowest sample), ops per step over a cycle. "
+                  "Construction: 16 Linear(512, 512) layers with gradients (not timed), then the optimizer's construction "
+                  "and first step, dml_optim's defaults beside torch fused: the median of fresh optimizers with the "
+                  "kernel already compiled, and the cold first one (with the compile) apart:"), "", *_blocks(*tables)]
+
+
+def _targets_block(doc: dict, shown: set[str]) -> list[str]:
+    """The targets not already in a row's table (all of them for a document that stores none beside its rows)."""
+    if not shown:
+        return ["Targets:", "", *_blocks(report.targets_table(doc))]
+    counts = {s: sum(t["status"] == s for t in doc["targets"]) for s in ("PASS", "MISS", "not measured")}
+    rest = [t for t in doc["targets"] if t["target"] not in shown]
+    return [_fill(f"Targets: {counts['PASS']} PASS, {counts['MISS']} MISS, {counts['not measured']} not measured in all. "
+                  "A row's targets are in its table's last column; the others:"), "",
+            *_blocks(report.targets_table({"targets": rest}))]
+
+
 def bench_section(cpu: dict, cuda: dict) -> str:
-    """The benchmark section: the CPU run, then the CUDA run, each with its targets."""
+    """The benchmark section: the CPU run, then the CUDA run, each with its targets (those of a row beside it,
+    where the document stores them so; the rest after)."""
+    shown_cpu: set[str] = set()
+    shown_cuda: set[str] = set()
+    cpu_rows = [_speed_table(cpu, "cpu", shown_cpu), _frozen_table(cpu, shown_cpu), _new_rows(cpu, shown_cpu)]
+    cuda_rows = [_speed_table(cuda, "cuda", shown_cuda), _frozen_table(cuda, shown_cuda), _new_rows(cuda, shown_cuda)]
     lines = [
         _machine(cpu, SOURCES["cpu"]),
         _fill(f"Candidates are measured round-robin in one process, medians after warm-up; `{_command(cpu)}` "
@@ -225,12 +270,13 @@ def bench_section(cpu: dict, cuda: dict) -> str:
                       "OpenMP kernels slow several-fold whenever other work runs), so compare candidates within a run, "
                       "and read a target within a few percent of its line as a tie."),
         "",
-        *_blocks(_speed_table(cpu, "cpu")),
+        *_blocks(cpu_rows[0]),
         "Frozen parameters (LoRA: 16 frozen 512x512 Linear layers, each with a trainable rank-8 adapter; gradual",
         "unfreezing: 16 Linear(512, 512) layers, the top 1, 4, then 16 trainable; `model.parameters()` given to the",
         "optimizer; the first step of an unfreezing stage is the one after unfreezing):",
         "",
-        *_blocks(_frozen_table(cpu)),
+        *_blocks(cpu_rows[1]),
+        *cpu_rows[2],
         "Host work per parameter (eager, one thread: the same elements as 2,000 tensors or as one, so the",
         "difference is what the host does per parameter; `checks=\"fast\"` compares only the first and last",
         "parameter of each buffer, see [Options](#options)), the memory peak while an optimizer is built",
@@ -240,22 +286,19 @@ def bench_section(cpu: dict, cuda: dict) -> str:
         "Not measured on the CPU:",
         "",
         *_blocks(_not_measured(cpu)),
-        "Targets:",
-        "",
-        *_blocks(report.targets_table(cpu)),
+        *_targets_block(cpu, shown_cpu),
         _machine(cuda, SOURCES["cuda"]),
         "Wall time: at least 20 back-to-back steps and one `torch.cuda.synchronize()`; kernel time: the step's",
         "kernels in `torch.profiler`; copy: a 1 GiB device-to-device `copy_`, measured in the same rounds.",
         "",
-        *_blocks(_speed_table(cuda, "cuda"), _frozen_table(cuda)),
+        *_blocks(*cuda_rows[:2]),
+        *cuda_rows[2],
         "Many small tensors with `capturable=True`, one `step()` captured in a CUDA graph and replayed, beside",
         "plain steps (CUDA events); 12 compiled instances alive at once; the memory peak while an optimizer is",
         "built (`max_memory_allocated`):",
         "",
         *_blocks(report.graph_table(cuda), report.instances_table(cuda), report.memory_table(cuda)),
-        "Targets:",
-        "",
-        *_blocks(report.targets_table(cuda)),
+        *_targets_block(cuda, shown_cuda),
         "`auto` compiles buffers from 4M elements on the CPU and 1M on CUDA (below that, and always on DirectML, it",
         "runs the eager op chain). A first compile costs seconds per process (less than a second from inductor's",
         "disk cache). The compiled kernel reads and writes each buffer once (Adam: 28 bytes per parameter) and",

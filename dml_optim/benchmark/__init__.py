@@ -14,8 +14,13 @@ the method, the rows and the fields of the JSON document.  One module per job:
   :mod:`~dml_optim.benchmark.frozen` (LoRA, gradual unfreezing),
   :mod:`~dml_optim.benchmark.host` (host work per parameter; compiled
   instances), :mod:`~dml_optim.benchmark.memory` (peak at construction),
-  :mod:`~dml_optim.benchmark.graphs` (capturable steps in a CUDA graph);
-* :mod:`~dml_optim.benchmark.targets`: the issues' targets, PASS/MISS;
+  :mod:`~dml_optim.benchmark.graphs` (capturable steps in a CUDA graph),
+  :mod:`~dml_optim.benchmark.lowbit` (8-bit and 4-bit AdamW state),
+  :mod:`~dml_optim.benchmark.nonepattern` (``None`` gradients changing
+  every step), :mod:`~dml_optim.benchmark.construction` (construction +
+  first step);
+* :mod:`~dml_optim.benchmark.targets`: the issues' targets, PASS/MISS, each
+  row's stored beside it;
 * :mod:`~dml_optim.benchmark.report`: tables, summary, the JSON file;
 * :mod:`~dml_optim.benchmark.run`: the plan of a run and running it.
 """
@@ -23,11 +28,11 @@ the method, the rows and the fields of the JSON document.  One module per job:
 from dml_optim.benchmark.candidates import CANDIDATES, OPTIMIZERS
 from dml_optim.benchmark.report import default_output_path, format_report, format_summary, write_json
 from dml_optim.benchmark.run import ROWS, Plan, default_rows, make_plan, run_plan
-from dml_optim.benchmark.targets import check_targets
+from dml_optim.benchmark.targets import check_targets, record_targets
 from dml_optim.benchmark.workloads import QUICK_WORKLOADS, Workload, default_workloads, workload
 
 __all__ = [
     "CANDIDATES", "OPTIMIZERS", "ROWS", "QUICK_WORKLOADS", "Workload", "Plan", "workload", "default_workloads",
-    "default_rows", "make_plan", "run_plan", "check_targets", "format_report", "format_summary",
+    "default_rows", "make_plan", "run_plan", "check_targets", "record_targets", "format_report", "format_summary",
     "default_output_path", "write_json",
 ]

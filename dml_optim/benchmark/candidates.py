@@ -9,7 +9,10 @@ of the same parameters:
 * ``torch for-loop`` (``foreach=False``), ``torch foreach`` (``foreach=True``)
   and ``torch fused`` (``fused=True``): ``registry.torch_equivalent(name,
   params, exact=False, ...)``, the nearest torch.optim twin (Adam's epsilon
-  is placed differently, which does not matter for speed).
+  is placed differently, which does not matter for speed);
+* ``dml_optim auto`` (:data:`AUTO`): ``backend="auto"``, the default, for
+  the rows where what it runs is measured rather than predicted from the
+  buffer's size (frozen, None-pattern, construction).
 
 Hyperparameters are the registry's defaults (learning rate:
 ``registry.lr_for``), on both sides.  dml_optim candidates get their own
@@ -19,20 +22,24 @@ candidates share one read-only copy.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from dml_optim.benchmark.timing import wall_seconds
 from dml_optim.quant import tensors_of
 
-__all__ = ["OPTIMIZERS", "CANDIDATES", "TORCH_CANDIDATES", "BYTES_PER_ELEMENT", "Candidate", "start", "unavailable"]
+__all__ = ["OPTIMIZERS", "CANDIDATES", "TORCH_CANDIDATES", "AUTO", "BYTES_PER_ELEMENT", "Candidate", "build_optimizer",
+           "start", "unavailable", "no_compile_fallback"]
 
 #: The optimizers the benchmark measures (registry names).
 OPTIMIZERS = ("adam", "adamw", "adagrad", "momentum")
 CANDIDATES = ("dml_optim eager", "dml_optim compiled", "torch for-loop", "torch foreach", "torch fused")
 TORCH_CANDIDATES = CANDIDATES[2:]
+#: The candidate name of dml_optim with its default backend (``backend="auto"``), where a row measures it so.
+AUTO = "dml_optim auto"
 _TORCH_FLAGS = {"torch for-loop": dict(foreach=False), "torch foreach": dict(foreach=True),
                 "torch fused": dict(foreach=None, fused=True)}
 
@@ -86,32 +93,46 @@ def unavailable(name: str, device: torch.device) -> str | None:
     return None
 
 
-def start(name: str, optimizer: str, params: list[torch.nn.Parameter], grads: list[torch.Tensor | None],
-          device: torch.device, **options) -> Candidate:
-    """Build candidate ``name`` of ``optimizer`` over ``params`` and take its first step (timed).
+def build_optimizer(name: str, optimizer: str, params: list[torch.nn.Parameter], **options) -> torch.optim.Optimizer:
+    """Candidate ``name``'s optimizer of ``optimizer`` over ``params``, no step taken.
 
-    ``options``: dml_optim options (``capturable``, ``checks``, ...); for
-    torch.optim only ``capturable``, set on its param groups (a torch.optim
-    group option).  A compile fallback raises instead of passing for
-    ``compiled``.
+    ``name`` is one of :data:`CANDIDATES` or ``"dml_optim auto"`` (the
+    default backend, what a user gets).  ``options``: dml_optim options
+    (``capturable``, ``checks``, ...); for torch.optim only ``capturable``,
+    set on its param groups (a torch.optim group option).
     """
-    from dml_optim.compiled import CompileFallbackWarning
     from dml_optim.optimizers.registry import build, torch_equivalent
 
-    if name not in CANDIDATES:
-        raise ValueError(f"candidate must be one of {', '.join(CANDIDATES)}, got {name!r}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CompileFallbackWarning)
-        if name.startswith("dml_optim"):
-            opt = build(optimizer, params, backend=name.split()[-1], **options)
-        else:
-            extra = set(options) - {"capturable"}
-            if extra:
-                raise ValueError(f"options {sorted(extra)} apply to dml_optim only, got them for {name!r}")
-            opt = torch_equivalent(optimizer, params, exact=False, **_TORCH_FLAGS[name])
-            for group in opt.param_groups:
-                group.update(options)
-        cand = Candidate(name, opt, params)
+    if name not in CANDIDATES and name != AUTO:
+        raise ValueError(f"candidate must be one of {', '.join((*CANDIDATES, AUTO))}, got {name!r}")
+    if name.startswith("dml_optim"):
+        return build(optimizer, params, backend=name.split()[-1], **options)
+    extra = set(options) - {"capturable"}
+    if extra:
+        raise ValueError(f"options {sorted(extra)} apply to dml_optim only, got them for {name!r}")
+    opt = torch_equivalent(optimizer, params, exact=False, **_TORCH_FLAGS[name])
+    for group in opt.param_groups:
+        group.update(options)
+    return opt
+
+
+def start(name: str, optimizer: str, params: list[torch.nn.Parameter], grads: list[torch.Tensor | None],
+          device: torch.device, **options) -> Candidate:
+    """Build candidate ``name`` of ``optimizer`` over ``params`` (:func:`build_optimizer`), give it ``grads``
+    and take its first step (timed).  A compile fallback raises instead of passing for ``compiled``."""
+    with no_compile_fallback():
+        cand = Candidate(name, build_optimizer(name, optimizer, params, **options), params)
         cand.attach(grads)
         cand.first_step_s = wall_seconds(cand.step, device, probe=params[-1])
     return cand
+
+
+@contextlib.contextmanager
+def no_compile_fallback() -> Iterator[None]:
+    """Inside: a compile fallback (:class:`dml_optim.compiled.CompileFallbackWarning`) raises, so a candidate
+    that was to run compiled is n/a with the reason instead of silently measuring the eager backend."""
+    from dml_optim.compiled import CompileFallbackWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        yield

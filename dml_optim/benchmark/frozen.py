@@ -5,7 +5,11 @@
   a trainable rank-8 adapter; ``model.parameters()``, frozen ones included,
   go to every candidate.  A speed row (:mod:`~dml_optim.benchmark.speed`):
   state bytes, ops per step and step time beside torch.optim's for-loop,
-  foreach and fused, in one run.
+  foreach and fused, in one run.  Besides the speed rows' candidates,
+  ``dml_optim auto`` (:data:`CANDIDATES`): after unfreezing, parameters are
+  at several step counts and ``backend="auto"`` picks the backend of that
+  update by its own threshold, so the rows time what it runs rather than
+  predict it.
 * **Gradual unfreezing** (:func:`measure_unfreezing`): 16 Linear(512, 512)
   layers; the same candidates, built once with every parameter, step while
   the top 1, then 4, then all 16 layers are trainable.  At each stage the
@@ -21,13 +25,16 @@ from typing import Callable
 
 import torch
 
+from dml_optim.benchmark.candidates import AUTO, CANDIDATES as SPEED_CANDIDATES
 from dml_optim.benchmark.common import error_text
 from dml_optim.benchmark.speed import gradients, measure, measure_group, start_candidates
 from dml_optim.benchmark.timing import wall_seconds
 from dml_optim.benchmark.workloads import Workload, lora, unfreezing
 
-__all__ = ["UNFREEZE_STAGES", "workloads", "measure_lora", "measure_unfreezing"]
+__all__ = ["CANDIDATES", "UNFREEZE_STAGES", "workloads", "measure_lora", "measure_unfreezing"]
 
+#: The candidates of these rows: dml_optim's default backend, then the speed rows'.
+CANDIDATES = (AUTO, *SPEED_CANDIDATES)
 #: Trainable layers (of 16, from the top) at each stage of the unfreezing row.
 UNFREEZE_STAGES = (1, 4, 16)
 #: Layer width of the full rows; ``--quick`` uses 64.
@@ -44,7 +51,7 @@ def workloads(*, quick: bool) -> list[Workload]:
 def measure_lora(optimizer: str, device: torch.device, dtype: torch.dtype, settings: dict,
                  log: Callable[[str], None], *, quick: bool) -> tuple[list[dict], dict]:
     """The LoRA-shaped model's speed row (rows, reference record)."""
-    return measure_group(optimizer, workloads(quick=quick)[0], device, dtype, settings, log)
+    return measure_group(optimizer, workloads(quick=quick)[0], device, dtype, settings, log, CANDIDATES)
 
 
 def measure_unfreezing(optimizer: str, device: torch.device, dtype: torch.dtype, settings: dict,
@@ -52,7 +59,7 @@ def measure_unfreezing(optimizer: str, device: torch.device, dtype: torch.dtype,
     """One speed row per unfreezing stage (rows, reference records); a stage's ``first_step_ms`` is its
     first step, after unfreezing."""
     stages = workloads(quick=quick)[1:]
-    cands, blank = start_candidates(optimizer, stages[0], device, dtype, log)
+    cands, blank = start_candidates(optimizer, stages[0], device, dtype, log, CANDIDATES)
     out_rows, refs = [], []
     for previous, work in zip([None, *stages], stages):
         if previous is not None:

@@ -1,12 +1,13 @@
 """The result document as text and as a file: markdown tables, a compact summary, the JSON.
 
 :func:`format_report` prints every section of a document (speed rows, the
-references, compile times, memory, CUDA graphs, instances, host work,
-failures, what was not measured and why, targets); :func:`format_summary` one
-line per speed measurement (what ``backend="auto"`` runs beside torch.optim)
-and the targets.  The tables of the memory, graph, instances and host rows
-and of the targets are public: ``tools/readme_tables.py`` puts them in the
-README.  :func:`write_json` writes the document; :func:`default_output_path`
+references, compile times, memory, CUDA graphs, instances, host work, None
+patterns, construction, failures, what was not measured and why, targets);
+:func:`format_summary` one line per speed measurement (what ``backend="auto"``
+runs beside torch.optim) and the targets.  The tables of the memory, graph,
+instances, host, None-pattern and construction rows, of the targets, and
+:func:`target_cells` (a row's targets in a table cell) are public:
+``tools/readme_tables.py`` puts them in the README.  :func:`write_json` writes the document; :func:`default_output_path`
 is where.
 """
 
@@ -17,12 +18,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dml_optim.benchmark.candidates import AUTO
+from dml_optim.benchmark.nonepattern import MODES, find_row
 from dml_optim.benchmark.targets import reference, speed_row
 from dml_optim.console import DEFAULT_OUTPUT_DIR
 
 __all__ = ["format_report", "format_summary", "memory_table", "graph_table", "instances_table", "host_table",
-           "lowbit_table",
-           "targets_table", "not_measured_lines", "default_output_path", "write_json"]
+           "lowbit_table", "nonepattern_table", "construction_table", "target_cells", "targets_table",
+           "not_measured_lines", "default_output_path", "write_json"]
 
 
 def _f(value: float | None, spec: str, suffix: str = "") -> str:
@@ -134,6 +137,95 @@ def lowbit_table(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def _spread(row: dict, key: str) -> str:
+    """``"81.0 (25.6-124)"``: a median in ms with the fastest and slowest sample (``ms_min``, ``ms_max``)."""
+    if row is None or row.get(key) is None:
+        return "n/a"
+    lo, hi = row.get("ms_min"), row.get("ms_max")
+    return _ms3(row[key]) + ("" if lo is None or hi is None else f" ({_ms3(lo)}-{_ms3(hi)})")
+
+
+def _ms3(value: float) -> str:
+    """Three significant figures or so: 0.824, 9.48, 81.0, 176."""
+    return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _x(ratio: float | None) -> str:
+    """A ratio: ``"1.10x"``, ``"0.012x"`` below 0.1."""
+    return "n/a" if ratio is None else f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.3f}x"
+
+
+def _required(t: dict[str, Any]) -> str:
+    req = t["required"]
+    return f"{100 * req:.0f}% of" if t["unit"] == "fraction" else f"{req:g} ms" if t["unit"] == "ms" else f"{req:.1f}x"
+
+
+def _status(t: dict[str, Any]) -> str:
+    """``"PASS"``, ``"MISS"``, or ``"not measured (torch fused n/a)"``: the missing part, from the reason
+    (the committed documents of 2026-11-23 record none)."""
+    reason = t.get("reason")
+    return t["status"] + (f" ({reason.split(': ')[0]})" if t["status"] == "not measured" and reason else "")
+
+
+def target_cells(targets: list[dict[str, Any]], shown: set[str] | None = None) -> str:
+    """A row's targets in one cell: ``">= 1.0x torch fused: PASS; >= 3.0x torch foreach: PASS"`` (not measured:
+    the part that is missing).  Their names are added to ``shown``."""
+    if shown is not None:
+        shown.update(t["target"] for t in targets)
+    return "; ".join(f"{t['op']} {_required(t)} {t['versus']}: {_status(t)}" for t in targets) or "none"
+
+
+def _nonepattern_cells(rec: dict[str, Any], shown: set[str] | None) -> list[str]:
+    """One optimizer's cells of the None-pattern table."""
+    def row(candidate: str, mode: str) -> dict:
+        return find_row(rec["rows"], candidate, mode) or {}
+
+    def pair(candidate: str, key: str, spec: str) -> str:
+        return " / ".join(_f(row(candidate, m).get(key), spec) for m in MODES)
+
+    return [rec["optimizer"], *(_spread(row(AUTO, m), "ms_per_step") for m in MODES), _x(rec["ratio_changing_to_steady"]),
+            *(_spread(row("torch fused", m), "ms_per_step") for m in MODES), _x(rec["ratio_fused_to_ours"]),
+            pair("dml_optim eager", "ms_per_step", ".2f"), pair("dml_optim compiled", "ms_per_step", ".2f"),
+            pair(AUTO, "ops_per_step", ".1f"), _f(row(AUTO, "changing").get("distinct_step_counts"), "d"),
+            target_cells(rec.get("targets", []), shown)]
+
+
+def nonepattern_table(doc: dict[str, Any], shown: set[str] | None = None) -> list[str]:
+    """The None-pattern row: dml_optim (``auto``, then eager and compiled) and torch fused, changing patterns beside
+    steady steps; ms per step as median (fastest-slowest), ops per step, and the targets (names added to ``shown``)."""
+    records = doc.get("nonepattern") or []
+    if not records:
+        return []
+    first = records[0]
+    return _table([f"None gradients, {first['workload']}, {first['present']} of {first['tensors']} present",
+                   "dml_optim (auto) changing ms", "steady ms", "changing / steady", "torch fused changing ms",
+                   "steady ms", "torch fused / dml_optim, changing", "dml_optim eager ms: changing / steady",
+                   "dml_optim compiled ms: changing / steady", "ops per step (auto): changing / steady",
+                   "distinct step counts", "targets"],
+                  [_nonepattern_cells(rec, shown) for rec in records], 1, left_last=1)
+
+
+def construction_table(doc: dict[str, Any], shown: set[str] | None = None) -> list[str]:
+    """The construction row: construction + first step, dml_optim's defaults beside torch fused (warm median
+    (fastest-slowest), its two parts, the cold first time), and the targets (names added to ``shown``)."""
+    rows = []
+    for rec in doc.get("construction") or []:
+        by = {r["candidate"]: r for r in rec["rows"]}
+        ours, fused = by.get(AUTO) or {}, by.get("torch fused") or {}
+        rows.append([rec["workload"], rec["optimizer"], f"{rec['auto_backend']}: {_spread(ours, 'ms')}",
+                     _spread(fused, "ms"), _x(rec["ratio"]),
+                     f"{_f(ours.get('construct_ms'), '.1f')} / {_f(ours.get('first_step_ms'), '.1f')}",
+                     f"{_f(fused.get('construct_ms'), '.1f')} / {_f(fused.get('first_step_ms'), '.1f')}",
+                     f"{_f(ours.get('cold_s'), '.2f')} / {_f(fused.get('cold_s'), '.2f')}",
+                     target_cells(rec.get("targets", []), shown)])
+    if not rows:
+        return []
+    return _table(["construction + first step", "optimizer", "dml_optim ms (backend)", "torch fused ms",
+                   "dml_optim / torch fused", "dml_optim ms: construction / first step",
+                   "torch fused ms: construction / first step",
+                   "cold s: dml_optim / torch fused", "targets"], rows, 2, left_last=1)
+
+
 def _measured(t: dict[str, Any]) -> str:
     value = t["measured"]
     if value is None:
@@ -142,9 +234,9 @@ def _measured(t: dict[str, Any]) -> str:
 
 
 def targets_table(doc: dict[str, Any]) -> list[str]:
-    """Every target: what dml_optim ran, the value measured, PASS / MISS / not measured."""
+    """Every target: what dml_optim ran, the value measured, PASS / MISS / not measured (and what is missing)."""
     return _table(["target", "dml_optim backend", "measured", "status"],
-                  [[t["target"], t["dml_backend"] or "", _measured(t), t["status"]] for t in doc["targets"]],
+                  [[t["target"], t["dml_backend"] or "", _measured(t), _status(t)] for t in doc["targets"]],
                   2, left_last=1)
 
 
@@ -163,7 +255,7 @@ def _failures(doc: dict[str, Any]) -> list[str]:
 def format_report(doc: dict[str, Any]) -> str:
     """Every section of ``doc`` as markdown tables, then failures and the targets."""
     parts = [[_header(doc)], _speed(doc), memory_table(doc), graph_table(doc), instances_table(doc), host_table(doc),
-             lowbit_table(doc),
+             lowbit_table(doc), nonepattern_table(doc), construction_table(doc),
              _failures(doc), not_measured_lines(doc), targets_table(doc)]
     return "\n\n".join("\n".join(p) for p in parts if p)
 

@@ -2,8 +2,10 @@
 
 :func:`make_plan` checks the arguments (``ValueError`` naming the value) and
 lists the measurements of the selected rows, in this order: ``memory``,
-``graph``, ``instances``, ``frozen``, ``host``, ``speed`` (the cheap rows
-first, so that ``--budget`` cuts the long speed grid, not them).  What the
+``construction`` (before any row that compiles, so that its cold first
+construction pays the compile), ``graph``, ``instances``, ``frozen``,
+``host``, ``nonepattern``, ``lowbit``, ``speed`` (the cheap rows first, so
+that ``--budget`` cuts the long speed grid, not them).  What the
 run leaves out is listed with the reason (:func:`not_measured`): a row the
 device cannot run (``graph`` off CUDA; ``instances`` without the compiled
 backend), one not selected, and off CUDA the CUDA-only parts of the speed
@@ -11,7 +13,8 @@ rows (kernel time, the copy reference).
 :func:`run_plan` runs them one at a time: a failure is recorded in
 ``errors`` and the run goes on; memory is freed after each; with a budget,
 measurements that would start after it are recorded in ``skipped``; after
-each, the targets are re-checked and ``checkpoint(doc)`` is called (the
+each, the targets are re-checked and stored beside their measurements
+(:func:`~dml_optim.benchmark.targets.record_targets`), and ``checkpoint(doc)`` is called (the
 command writes the JSON there), so an interrupted run leaves what it measured.
 """
 
@@ -24,22 +27,22 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dml_optim.benchmark import frozen, graphs, host, lowbit, memory, speed
+from dml_optim.benchmark import construction, frozen, graphs, host, lowbit, memory, nonepattern, speed
 from dml_optim.benchmark.candidates import CANDIDATES, OPTIMIZERS
 from dml_optim.benchmark.common import error_text, free
 from dml_optim.benchmark.machine import describe, load_average
-from dml_optim.benchmark.targets import check_targets
+from dml_optim.benchmark.targets import record_targets
 from dml_optim.benchmark.workloads import QUICK_WORKLOADS, Workload, default_workloads, lora, workload
 
 __all__ = ["ROWS", "SCHEMA", "default_rows", "unmeasurable", "not_measured", "settings_for", "Task", "Plan", "make_plan",
            "new_document", "run_plan"]
 
 #: The rows, in the order a run measures them.
-ROWS = ("memory", "graph", "instances", "frozen", "host", "lowbit", "speed")
+ROWS = ("memory", "construction", "graph", "instances", "frozen", "host", "nonepattern", "lowbit", "speed")
 #: Version of the result document's layout (``bench/README.md``).
 SCHEMA = 2
-_DEFAULT_ROWS = {"cpu": ("memory", "instances", "frozen", "host", "lowbit", "speed"),
-                 "cuda": ("memory", "graph", "instances", "frozen", "lowbit", "speed")}
+_DEFAULT_ROWS = {"cpu": ("memory", "construction", "instances", "frozen", "host", "nonepattern", "lowbit", "speed"),
+                 "cuda": ("memory", "construction", "graph", "instances", "frozen", "nonepattern", "lowbit", "speed")}
 
 
 def default_rows(device_type: str) -> tuple[str, ...]:
@@ -179,6 +182,12 @@ def _tasks(plan: Plan) -> list[Task]:
         for work in _memory_workloads(dev, quick):
             tasks.append(Task("memory", f"memory: construction on {work.name}", lambda doc, log, w=work:
                               doc["memory"].extend(memory.measure_memory(w, dev, dtype, log))))
+    if "construction" in plan.rows:
+        name = construction.workload(quick=quick).name
+        for o in plan.optimizers:
+            tasks.append(Task("construction", f"construction: {o} on {name}, construction + first step vs torch fused",
+                              lambda doc, log, o=o: doc["construction"].append(
+                                  construction.measure_construction(o, dev, dtype, log, quick=quick))))
     if "graph" in plan.rows:
         tasks.append(Task("graph", "graph: many-small Adam, capturable, in a CUDA graph", lambda doc, log:
                           doc["graphs"].append(graphs.measure_graphs(dev, dtype, s, log, quick=quick))))
@@ -196,6 +205,12 @@ def _tasks(plan: Plan) -> list[Task]:
         for o in plan.optimizers:
             tasks.append(Task("host", f"host work: {o}, 2000x16 vs 1x32000 (cpu, 1 thread)", lambda doc, log, o=o:
                               doc["host_work"].append(host.measure_host_work(o, cpu_settings, log))))
+    if "nonepattern" in plan.rows:
+        name = nonepattern.workload(quick=quick).name
+        for o in plan.optimizers:
+            tasks.append(Task("nonepattern", f"nonepattern: {o} on {name}, None gradients changing every step",
+                              lambda doc, log, o=o: doc["nonepattern"].append(
+                                  nonepattern.measure_nonepattern(o, dev, dtype, s, log, quick=quick))))
     if "lowbit" in plan.rows:
         tasks.append(Task("lowbit", "low-bit: AdamW 8-bit and 4-bit beside torch fused and the peers", lambda doc, log:
                           doc["lowbit"].append(lowbit.measure_lowbit(dev, dtype, s, log, quick=quick))))
@@ -232,6 +247,7 @@ def new_document(plan: Plan) -> dict[str, Any]:
         "candidates": list(CANDIDATES),
         "workloads": [w.describe() for w in works],
         "results": [], "references": [], "memory": [], "graphs": [], "instances": [], "host_work": [], "lowbit": [],
+        "nonepattern": [], "construction": [],
         "errors": [], "skipped": [], "not_measured": plan.not_measured, "elapsed_s": 0.0, "targets": [],
     }
 
@@ -259,7 +275,7 @@ def run_plan(plan: Plan, *, log: Log = print, progress: Callable[[int, int, str]
                 log(f"  FAILED: {task.label}: {error_text(exc)}")
             free(plan.device)
         doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
-        doc["targets"] = check_targets(doc)
+        record_targets(doc)
         if checkpoint is not None:
             checkpoint(doc)
         if progress is not None:

@@ -17,16 +17,22 @@ one row per candidate:
   compiled kernel call is one op); ``optimizer_bytes``; ``first_step_ms``
   and, for ``compiled``, ``compile_s``.
 
+The reference record's ``auto_backend`` names the row that is what
+``backend="auto"`` runs: the backend it resolves to for the workload's size
+(``eager`` or ``compiled``), or ``auto`` where the row measures a
+``dml_optim auto`` candidate of its own (the frozen rows: with parameters at
+several step counts, what ``auto`` runs is not the plain step's choice).
+
 :func:`measure_group` is the two for one workload.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from dml_optim.benchmark.candidates import BYTES_PER_ELEMENT, CANDIDATES, TORCH_CANDIDATES, Candidate, start, unavailable
+from dml_optim.benchmark.candidates import AUTO, BYTES_PER_ELEMENT, CANDIDATES, TORCH_CANDIDATES, Candidate, start, unavailable
 from dml_optim.benchmark.common import error_text
 from dml_optim.benchmark.timing import Reference, kernel_seconds, round_robin, wall_seconds
 from dml_optim.benchmark.workloads import Workload, make_params, make_values
@@ -51,13 +57,15 @@ def gradients(work: Workload, device: torch.device, dtype: torch.dtype) -> list[
 
 
 def start_candidates(optimizer: str, work: Workload, device: torch.device, dtype: torch.dtype,
-                     log: Callable[[str], None]) -> tuple[list[Candidate], dict[str, dict]]:
-    """Every candidate that can run, its first step taken, and a row per candidate (n/a ones with the reason)."""
+                     log: Callable[[str], None], candidates: Sequence[str] = CANDIDATES,
+                     ) -> tuple[list[Candidate], dict[str, dict]]:
+    """Every one of ``candidates`` that can run, its first step taken, and a row per candidate (n/a ones with
+    the reason)."""
     values = make_values(work, device, dtype, seed=0, scale=0.1)
     grads = gradients(work, device, dtype)
     cands: list[Candidate] = []
     rows: dict[str, dict] = {}
-    for name in CANDIDATES:
+    for name in candidates:
         row = dict.fromkeys(ROW_FIELDS)
         row.update(optimizer=optimizer, workload=work.name, candidate=name, available=False)
         rows[name] = row
@@ -118,7 +126,8 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
         "reference_ms": ref_s * 1e3, "reference_gbs": ref.bytes_moved / ref_s / 1e9,
         "reference_kernel_ms": None if ref_kernel is None else ref_kernel * 1e3,
         "reference_kernel_gbs": None if ref_kernel is None else ref.bytes_moved / ref_kernel / 1e9,
-        "auto_backend": resolve("auto", device, numel), "rounds": min(t["samples"] for t in timed.values()),
+        "auto_backend": "auto" if AUTO in rows else resolve("auto", device, numel),
+        "rounds": min(t["samples"] for t in timed.values()),
         "trainable_elements": numel,
     }
     auto = rows[f"dml_optim {reference['auto_backend']}"]
@@ -141,7 +150,7 @@ def _ms(value: float | None) -> str:
 
 
 def measure_group(optimizer: str, work: Workload, device: torch.device, dtype: torch.dtype, settings: dict,
-                  log: Callable[[str], None]) -> tuple[list[dict], dict]:
-    """Build and time every candidate of (``optimizer``, ``work``)."""
-    cands, rows = start_candidates(optimizer, work, device, dtype, log)
+                  log: Callable[[str], None], candidates: Sequence[str] = CANDIDATES) -> tuple[list[dict], dict]:
+    """Build and time every one of ``candidates`` on (``optimizer``, ``work``)."""
+    cands, rows = start_candidates(optimizer, work, device, dtype, log, candidates)
     return measure(cands, rows, optimizer, work, device, dtype, settings, log)

@@ -2,23 +2,39 @@
 
 "dml_optim" in a speed target means what ``backend="auto"`` (the default)
 runs for that buffer size on that device.  A target whose row was not
-measured (not selected, n/a, failed, cut by ``--budget``) is "not measured".
+measured (not selected, n/a, failed, cut by ``--budget``) is "not measured",
+and its ``reason`` says which part is missing (``"torch fused n/a: ..."``).
+
+A target of one measurement (a speed or frozen row, a None-pattern or a
+construction row) names it: ``row``, ``optimizer``, ``workload``, and
+``versus`` (what it is compared with, for a short label beside the row);
+:func:`record_targets` stores a copy of it in that measurement's record
+(``targets``), beside the numbers it was computed from.  On the CPU every
+speed and frozen row has one: dml_optim >= 1.0x torch fused (one of the
+issues' targets where it is stricter, e.g. resnet50 Adam >= 1.1x).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from dml_optim.benchmark.candidates import AUTO
 from dml_optim.benchmark.memory import CPU_SLACK
+from dml_optim.benchmark.nonepattern import find_row
 from dml_optim.benchmark.timing import reference_name
+from dml_optim.benchmark.workloads import FROZEN_PREFIXES
 
-__all__ = ["check_targets", "speed_row", "reference"]
+__all__ = ["check_targets", "record_targets", "speed_row", "reference", "RECORD_LISTS"]
 
 #: CUDA: dml_optim (auto) >= 1.0x torch fused (wall) for these optimizers and workloads ...
 _CUDA_VS_FUSED = (("adam", "momentum"), ("resnet50", "bert-base-uncased", "gpt2", "one-256m"))
 #: ... and >= 90% of the copy bandwidth on these.
 _CUDA_COPY = (("adam", "momentum"), ("gpt2", "one-256m"), 0.9)
+#: CPU: the issues' resnet50 targets against torch fused (the other rows get 1.0x).
+_CPU_RESNET50 = (("adam", 1.1), ("adagrad", 1.0), ("momentum", 1.0))
 _TITLE = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "momentum": "Momentum"}
+#: The document's list that holds the record of each kind of measurement a target can name.
+RECORD_LISTS = {"speed": "references", "frozen": "references", "nonepattern": "nonepattern", "construction": "construction"}
 
 
 def speed_row(doc: dict[str, Any], optimizer: str, work: str, candidate: str) -> dict | None:
@@ -31,72 +47,190 @@ def reference(doc: dict[str, Any], optimizer: str, work: str) -> dict | None:
     return next((r for r in doc["references"] if (r["optimizer"], r["workload"]) == (optimizer, work)), None)
 
 
-def check_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every target that applies to ``doc``'s device, in a fixed order."""
-    device = doc["device"].split(":")[0]
-    out: list[dict[str, Any]] = []
+def _title(optimizer: str) -> str:
+    return _TITLE.get(optimizer, optimizer)
 
-    def add(name: str, required: float, op: str, unit: str, value: float | None, backend: str | None = None) -> None:
+
+def _fused_title(optimizer: str, work: str, required: float) -> str:
+    """``"resnet50 Momentum >= 1.0x torch fused (SGD)"``: the name of a row's target against torch fused."""
+    return f"{work} {_title(optimizer)} >= {required:.1f}x torch fused" + (" (SGD)" if optimizer == "momentum" else "")
+
+
+def _missing(what: str, row: dict | None) -> str:
+    """Why ``what`` has no time: its row's reason (n/a), or that it is absent."""
+    if row is None:
+        return f"{what}: not in this run"
+    return f"{what} n/a: {row.get('reason') or 'not measured'}"
+
+
+class _Targets:
+    """The list :func:`check_targets` builds, and how a target is added to it."""
+
+    def __init__(self, doc: dict[str, Any]):
+        self.doc = doc
+        self.out: list[dict[str, Any]] = []
+
+    def add(self, name: str, required: float, op: str, unit: str, value: float | None, backend: str | None = None,
+            *, reason: str | None = None, **where: str | None) -> None:
+        """A target: PASS/MISS from ``value`` (None: not measured, because of ``reason``); ``where`` names its
+        measurement (``row``, ``optimizer``, ``workload``, ``versus``)."""
         ok = None if value is None else (value >= required if op == ">=" else value <= required)
-        out.append({"target": name, "required": required, "op": op, "unit": unit, "measured": value,
-                    "dml_backend": backend, "pass": ok,
-                    "status": "not measured" if ok is None else "PASS" if ok else "MISS"})
+        self.out.append({"target": name, "required": required, "op": op, "unit": unit, "measured": value,
+                         "dml_backend": backend, "pass": ok,
+                         "status": "not measured" if ok is None else "PASS" if ok else "MISS",
+                         "reason": None if ok is not None else reason or "not measured in this run", **where})
 
-    def speed(name: str, optimizer: str, work: str, required: float, unit: str,
-              measure: Callable[[dict, dict], float | None]) -> None:
-        ref = reference(doc, optimizer, work)
-        row = speed_row(doc, optimizer, work, f"dml_optim {ref['auto_backend']}") if ref else None
-        value = measure(row, ref) if row is not None and row["ms_per_step"] is not None else None
-        add(name, required, ">=", unit, value, ref["auto_backend"] if ref else None)
+    def speed(self, name: str, optimizer: str, work: str, required: float, unit: str, versus: str,
+              measure: Callable[[dict, dict], tuple[float | None, str | None]]) -> None:
+        """A target of the (``optimizer``, ``work``) speed row; ``measure(row, ref)`` gives (value, reason)."""
+        ref = reference(self.doc, optimizer, work)
+        mine = speed_row(self.doc, optimizer, work, f"dml_optim {ref['auto_backend']}") if ref else None
+        if ref is None:
+            value, reason = None, f"the {work} {optimizer} row is not in this run"
+        elif mine is None or mine["ms_per_step"] is None:
+            value, reason = None, _missing(f"dml_optim {ref['auto_backend']}", mine)
+        else:
+            value, reason = measure(mine, ref)
+        self.add(name, required, ">=", unit, value, ref["auto_backend"] if ref else None, reason=reason,
+                 row="frozen" if work.startswith(FROZEN_PREFIXES) else "speed", optimizer=optimizer, workload=work,
+                 versus=versus)
 
-    def vs(candidate: str) -> Callable[[dict, dict], float | None]:
-        def measure(row: dict, ref: dict) -> float | None:
-            other = speed_row(doc, row["optimizer"], row["workload"], candidate)
-            return None if other is None or other["ms_per_step"] is None else other["ms_per_step"] / row["ms_per_step"]
+    def vs(self, candidate: str) -> Callable[[dict, dict], tuple[float | None, str | None]]:
+        """Measure: ``candidate``'s time over dml_optim's, from the same row."""
+        def measure(row: dict, ref: dict) -> tuple[float | None, str | None]:
+            other = speed_row(self.doc, row["optimizer"], row["workload"], candidate)
+            if other is None or other["ms_per_step"] is None:
+                return None, _missing(candidate, other)
+            return other["ms_per_step"] / row["ms_per_step"], None
         return measure
 
+    @staticmethod
+    def bandwidth(row: dict, ref: dict) -> tuple[float | None, str | None]:
+        """Measure: dml_optim's effective bandwidth as a fraction of the reference's."""
+        return row["fraction_of_reference"], None
+
+
+def _speed_targets(t: _Targets, device: str) -> None:
+    """The speed and frozen rows' targets: the issues' ones, then (CPU) dml_optim >= 1.0x torch fused for
+    every other row measured."""
+    fused = t.vs("torch fused")
     if device == "cpu":
-        speed("resnet50 Adam >= 1.1x torch fused", "adam", "resnet50", 1.1, "x", vs("torch fused"))
-        speed("resnet50 Adagrad >= 1.0x torch fused", "adagrad", "resnet50", 1.0, "x", vs("torch fused"))
-        speed("resnet50 Momentum >= 1.0x torch fused (SGD)", "momentum", "resnet50", 1.0, "x", vs("torch fused"))
+        for o, required in _CPU_RESNET50:
+            t.speed(_fused_title(o, "resnet50", required), o, "resnet50", required, "x", "torch fused", fused)
     elif device == "cuda":
         optimizers, works = _CUDA_VS_FUSED
         for w in works:
             for o in optimizers:
-                speed(f"{w} {_TITLE[o]} >= 1.0x torch fused (wall)", o, w, 1.0, "x", vs("torch fused"))
+                t.speed(f"{w} {_title(o)} >= 1.0x torch fused (wall)", o, w, 1.0, "x", "torch fused", fused)
     for o in ("adam", "adagrad", "momentum"):
-        speed(f"many-small {_TITLE[o]} >= 3x torch foreach", o, "many-small", 3.0, "x", vs("torch foreach"))
+        t.speed(f"many-small {_title(o)} >= 3x torch foreach", o, "many-small", 3.0, "x", "torch foreach",
+                t.vs("torch foreach"))
     if device == "cuda":
         optimizers, works, share = _CUDA_COPY
         for w in works:
             for o in optimizers:
-                speed(f"{w} {_TITLE[o]} >= {share:.0%} of the copy bandwidth (wall)", o, w, share, "fraction",
-                      lambda row, ref: row["fraction_of_reference"])
+                t.speed(f"{w} {_title(o)} >= {share:.0%} of the copy bandwidth (wall)", o, w, share, "fraction",
+                        "the copy", t.bandwidth)
     else:
+        name = reference_name(t.doc)
         for o in ("adam", "adagrad", "momentum"):
-            speed(f"one-64m {_TITLE[o]} >= 70% of {reference_name(doc)} bandwidth", o, "one-64m", 0.7, "fraction",
-                  lambda row, ref: row["fraction_of_reference"])
-    for row in doc.get("host_work", []):
+            t.speed(f"one-64m {_title(o)} >= 70% of {name} bandwidth", o, "one-64m", 0.7, "fraction", name, t.bandwidth)
+    if device == "cpu":
+        covered = {(x["optimizer"], x["workload"]) for x in t.out if x.get("versus") == "torch fused"}
+        for ref in t.doc["references"]:
+            key = (ref["optimizer"], ref["workload"])
+            if key not in covered:
+                covered.add(key)
+                t.speed(_fused_title(*key, 1.0), *key, 1.0, "x", "torch fused", fused)
+
+
+def _ratio_target(t: _Targets, name: str, record: dict, required: float, op: str, value: float | None,
+                  parts: list[tuple[str, dict | None]], key: str, row: str, versus: str) -> None:
+    """A target of a None-pattern or construction record; ``parts`` are the (label, row) whose times (``key``)
+    it divides: the reason of a target not measured names the first without one."""
+    reason = next((_missing(label, r) for label, r in parts if r is None or r[key] is None), None)
+    t.add(name, required, op, "x", value, record.get("auto_backend", "auto"), reason=reason, row=row,
+          optimizer=record["optimizer"], workload=record["workload"], versus=versus)
+
+
+def _nonepattern_targets(t: _Targets) -> None:
+    """Per None-pattern record: changing / steady <= 1.5 (dml_optim auto), torch fused changing / dml_optim's >= 1.0."""
+    for rec in t.doc.get("nonepattern", []):
+        ours = AUTO
+        changing, steady = find_row(rec["rows"], ours, "changing"), find_row(rec["rows"], ours, "steady")
+        fused = find_row(rec["rows"], "torch fused", "changing")
+        what = f"{rec['workload']} {_title(rec['optimizer'])}, None gradients changing every step"
+        _ratio_target(t, f"{what}: <= {rec['changing_limit']:.1f}x the steady step", rec, rec["changing_limit"], "<=",
+                      rec["ratio_changing_to_steady"], [(f"{ours} (changing)", changing), (f"{ours} (steady)", steady)],
+                      "ms_per_step", "nonepattern", "the steady step")
+        _ratio_target(t, f"{what}: >= {rec['vs_fused_limit']:.1f}x torch fused", rec, rec["vs_fused_limit"], ">=",
+                      rec["ratio_fused_to_ours"], [(f"{ours} (changing)", changing), ("torch fused (changing)", fused)],
+                      "ms_per_step", "nonepattern", "torch fused")
+
+
+def _construction_targets(t: _Targets) -> None:
+    """Per construction record: dml_optim's construction + first step <= 1.5x torch fused's (warm medians)."""
+    for rec in t.doc.get("construction", []):
+        rows = {r["candidate"]: r for r in rec["rows"]}
+        _ratio_target(t, f"{rec['workload']} {_title(rec['optimizer'])}: construction + first step <= {rec['limit']:g}x "
+                      "torch fused (warm)", rec, rec["limit"], "<=", rec["ratio"],
+                      [(name, rows.get(name)) for name in (AUTO, "torch fused")], "ms", "construction", "torch fused")
+
+
+def _other_targets(t: _Targets, device: str) -> None:
+    """The targets of the host, low-bit, instances, graph and memory rows."""
+    for row in t.doc.get("host_work", []):
         for checks in ("full", "fast"):
-            add(f"host work, {_TITLE.get(row['optimizer'], row['optimizer'])}: 2000x16 <= {row['limit']:g}x 1x32000 "
-                f"(checks={checks})", row["limit"], "<=", "x", row[f"ratio_{checks}"], "eager")
-    for record in doc.get("lowbit", []):
+            t.add(f"host work, {_title(row['optimizer'])}: 2000x16 <= {row['limit']:g}x 1x32000 "
+                  f"(checks={checks})", row["limit"], "<=", "x", row[f"ratio_{checks}"], "eager")
+    for record in t.doc.get("lowbit", []):
         rows = {r["candidate"]: r for r in record["rows"]}
-        ours, peer = rows["dml_optim 8-bit"], rows["bitsandbytes AdamW8bit" if device == "cpu" else "torch fused"]
+        peer_name = "bitsandbytes AdamW8bit" if device == "cpu" else "torch fused"
+        ours, peer = rows["dml_optim 8-bit"], rows[peer_name]
         label = "bitsandbytes AdamW8bit" if device == "cpu" else "torch fused FP32 AdamW"
         value = (peer["ms_per_step"] / ours["ms_per_step"]
                  if ours["ms_per_step"] is not None and peer["ms_per_step"] is not None else None)
-        add(f"{record['workload']} AdamW 8-bit >= 1.0x {label}", 1.0, ">=", "x", value, ours.get("backend"))
-    for row in doc.get("instances", []):
-        add(f"12th compiled Adam instance <= {row['limit']:g}x the 2nd", row["limit"], "<=", "x", row["ratio"], "compiled")
-    for graph in doc.get("graphs", []):
-        mine = next((r for r in graph["rows"] if r["candidate"] == f"dml_optim {graph['auto_backend']}" and r["mode"] == "graph"), None)
-        add(f"{graph['workload']} Adam in a CUDA graph <= {graph['limit_ms']:g} ms per step", graph["limit_ms"], "<=", "ms",
-            None if mine is None else mine["ms_per_step"], graph["auto_backend"])
-    for row in doc.get("memory", []):
+        reason = _missing("dml_optim 8-bit", ours) if ours["ms_per_step"] is None else _missing(peer_name, peer)
+        t.add(f"{record['workload']} AdamW 8-bit >= 1.0x {label}", 1.0, ">=", "x", value, ours.get("backend"),
+              reason=reason)
+    for row in t.doc.get("instances", []):
+        t.add(f"12th compiled Adam instance <= {row['limit']:g}x the 2nd", row["limit"], "<=", "x", row["ratio"], "compiled")
+    for graph in t.doc.get("graphs", []):
+        ours = f"dml_optim {graph['auto_backend']}"
+        mine = next((r for r in graph["rows"] if r["candidate"] == ours and r["mode"] == "graph"), None)
+        t.add(f"{graph['workload']} Adam in a CUDA graph <= {graph['limit_ms']:g} ms per step", graph["limit_ms"], "<=",
+              "ms", None if mine is None else mine["ms_per_step"], graph["auto_backend"],
+              reason=_missing(f"{ours} (graph)", mine))
+    for row in t.doc.get("memory", []):
         if row["pack_via"] == "auto":
             bound = (f"; one copy + the largest tensor ({row['largest_share']:.0%}) + {CPU_SLACK:g}"
                      if row["device"] == "cpu" and "largest_share" in row else "")
-            add(f"{row['workload']} construction peak <= {row['limit']:g}x trainable bytes (pack_via=auto, "
-                f"{row['counter']}{bound})", row["limit"], "<=", "x", row["peak_ratio"])
-    return out
+            t.add(f"{row['workload']} construction peak <= {row['limit']:g}x trainable bytes (pack_via=auto, "
+                  f"{row['counter']}{bound})", row["limit"], "<=", "x", row["peak_ratio"])
+
+
+def check_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target that applies to ``doc``'s device, in a fixed order: the speed and frozen rows', the host,
+    low-bit, instances, graph and memory rows', then the None-pattern and construction rows'."""
+    device = doc["device"].split(":")[0]
+    t = _Targets(doc)
+    _speed_targets(t, device)
+    _other_targets(t, device)
+    _nonepattern_targets(t)
+    _construction_targets(t)
+    return t.out
+
+
+def _names(target: dict[str, Any], record: dict[str, Any]) -> bool:
+    """Whether ``target`` is a target of ``record`` (a record of the list :data:`RECORD_LISTS` names for it)."""
+    return (target["optimizer"], target["workload"]) == (record["optimizer"], record["workload"])
+
+
+def record_targets(doc: dict[str, Any]) -> None:
+    """Check ``doc``'s targets (``doc["targets"]``) and store each measurement's own beside it: in its record
+    (``references``, ``nonepattern``, ``construction``), a ``targets`` list of copies."""
+    doc["targets"] = check_targets(doc)
+    for kind in dict.fromkeys(RECORD_LISTS.values()):
+        for record in doc.get(kind, []):
+            record["targets"] = [dict(t) for t in doc["targets"] if t.get("row") is not None
+                                 and RECORD_LISTS[t["row"]] == kind and _names(t, record)]

@@ -8,7 +8,8 @@
 * **kernel** (:func:`kernel_seconds`, CUDA): the device time of the kernels
   (and copies) a call launches, summed from ``torch.profiler``'s CUDA events.
 * :func:`round_robin`: warm-up, then samples taken in rounds whose order
-  rotates; per name the median seconds per call.
+  rotates; per name the median seconds per call and the spread (fastest and
+  slowest sample).
 * :class:`Reference`: the bandwidth ceiling measured in the same rounds: the
   in-place add ``a += s*b`` (CPU, DirectML) or ``dst.copy_(src)`` of at least
   1 GiB (CUDA).
@@ -106,7 +107,8 @@ def round_robin(steps: dict[str, Callable[[], object]], timer: Callable[[Callabl
     ``max_inner``, ``min_sample_s`` (the inner count makes a sample at least
     this long, within those bounds), ``rounds``, ``min_rounds`` and
     ``group_budget_s`` (rounds are cut to fit it, down to ``min_rounds``).
-    Returns per name ``{"seconds": median per call, "inner": int, "samples": int}``.
+    Returns per name ``{"seconds": median per call, "min_seconds", "max_seconds": the fastest and the
+    slowest sample (the spread), "inner": int, "samples": int}``.
     """
     if not steps:
         return {}
@@ -126,7 +128,8 @@ def round_robin(steps: dict[str, Callable[[], object]], timer: Callable[[Callabl
         k = r % len(names)
         for name in names[k:] + names[:k]:
             samples[name].append(timer(steps[name], inner[name]))
-    return {name: {"seconds": statistics.median(samples[name]), "inner": inner[name], "samples": len(samples[name])}
+    return {name: {"seconds": statistics.median(samples[name]), "min_seconds": min(samples[name]),
+                   "max_seconds": max(samples[name]), "inner": inner[name], "samples": len(samples[name])}
             for name in names}
 
 

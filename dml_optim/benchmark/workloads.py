@@ -7,7 +7,8 @@ frozen-parameter rows use two workloads built here from module definitions:
 :func:`lora` (16 frozen 512x512 Linear layers, each followed by a trainable
 rank-8 adapter) and :func:`unfreezing` (16 Linear layers of which the top
 ``k`` are trainable), whose parameters are ``model.parameters()``, frozen
-ones included.
+ones included.  The construction row steps :func:`linears` (16 trainable
+Linear layers), the None-pattern row :func:`tensors` (40 x 128 x 128).
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "Workload", "workload", "lora", "unfreezing", "default_workloads", "QUICK_WORKLOADS",
-    "make_values", "make_params",
+    "Workload", "workload", "lora", "unfreezing", "linears", "tensors", "default_workloads", "QUICK_WORKLOADS",
+    "FROZEN_PREFIXES", "make_values", "make_params",
 ]
 
 #: The speed rows' workloads per device type: real models' shapes, 2,000 small tensors, one large tensor
 #: (64M elements on the CPU; 256M, 1 GiB in float32, on CUDA, where the targets' workloads come first).
+#: The CPU's also has two mid-size buffers below ``backend="auto"``'s compile threshold (2**22 there):
+#: one tensor of 256k and one of 1M elements, where ``auto`` runs eager.
 _DEFAULT_WORKLOADS = {
-    "cpu": ("resnet50", "bert-base-uncased", "gpt2", "many-small", "one-64m"),
+    "cpu": ("resnet50", "bert-base-uncased", "gpt2", "many-small", "one-256k", "one-1m", "one-64m"),
     "cuda": ("gpt2", "one-256m", "resnet50", "bert-base-uncased", "many-small"),
 }
 #: The speed rows' workload of ``--quick``.
 QUICK_WORKLOADS = ("many-small-256",)
+#: How the frozen-parameter rows' workloads are named (:func:`lora`, :func:`unfreezing`).
+FROZEN_PREFIXES = ("lora-", "unfreeze-")
 
 
 def default_workloads(device_type: str) -> tuple[str, ...]:
@@ -96,14 +101,29 @@ def lora(d: int = 512, r: int = 8, layers: int = 16) -> Workload:
                         f"Linear({d}, {r}) + Linear({r}, {d}), no bias)", torch.nn.Sequential(*blocks))
 
 
+def _linear_stack(d: int, layers: int) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*[torch.nn.Linear(d, d, device="meta") for _ in range(layers)])
+
+
 def unfreezing(k: int, d: int = 512, layers: int = 16) -> Workload:
     """``layers`` x ``Linear(d, d)`` with the top ``k`` layers trainable and the rest frozen."""
     if not 1 <= k <= layers:
         raise ValueError(f"unfreezing: k must be in [1, {layers}], got {k!r}")
-    model = torch.nn.Sequential(*[torch.nn.Linear(d, d, device="meta") for _ in range(layers)])
+    model = _linear_stack(d, layers)
     for layer in model[: layers - k]:
         layer.requires_grad_(False)
     return _from_module(f"unfreeze-{k}of{layers}x{d}", f"{layers} x Linear({d}, {d}), the top {k} trainable", model)
+
+
+def linears(d: int = 512, layers: int = 16) -> Workload:
+    """``layers`` x ``Linear(d, d)``, every parameter trainable (the construction row's model)."""
+    return _from_module(f"linear-{layers}x{d}", f"{layers} x Linear({d}, {d})", _linear_stack(d, layers))
+
+
+def tensors(count: int, shape: tuple[int, ...]) -> Workload:
+    """``count`` trainable tensors of ``shape`` (the None-pattern row's parameters)."""
+    dims = "x".join(map(str, shape))
+    return Workload(f"{count}x{dims}", (tuple(shape),) * count, f"{count} tensors of {dims} elements")
 
 
 def make_values(work: Workload, device: torch.device, dtype: torch.dtype, *, seed: int, scale: float,

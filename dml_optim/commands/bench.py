@@ -23,10 +23,12 @@ DESCRIPTION = (
     "GB/s as a fraction of a bandwidth reference measured in the same run (an in-place add a += s*b on the CPU, a 1 GiB copy "
     "on CUDA), kernel time (CUDA), ops per step, optimizer memory and compile time. Rows: speed (optimizer x "
     "workload), frozen (a LoRA model, gradual unfreezing), host (host work per parameter, checks=full/fast), "
-    "instances (12 compiled Adam, the 12th vs the 2nd), memory (peak at construction, pack_via), graph (many "
-    "small tensors, capturable, in a CUDA graph). What the device cannot measure (off CUDA: the graph row, kernel "
-    "time, the copy reference) is listed as not measured, with the reason. Writes JSON as it goes and prints "
-    "markdown tables, a summary and the targets (PASS/MISS)."
+    "instances (12 compiled Adam, the 12th vs the 2nd), memory (peak at construction, pack_via), construction "
+    "(construction + first step vs torch fused, cold and warm), nonepattern (70% of 40 tensors with a gradient, "
+    "the pattern changing every step, vs steady steps and torch fused), lowbit (8-bit and 4-bit AdamW), graph "
+    "(many small tensors, capturable, in a CUDA graph). What the device cannot measure (off CUDA: the graph row, "
+    "kernel time, the copy reference) is listed as not measured, with the reason. Writes JSON as it goes and "
+    "prints markdown tables, a summary and the targets (PASS/MISS), each row's also beside it in the JSON."
 )
 EXAMPLES = f"""examples:
   dml-optim bench --quick                      # every row, small sizes: a smoke test
@@ -34,6 +36,7 @@ EXAMPLES = f"""examples:
   dml-optim bench --device cuda --budget 420   # full GPU run, no new measurement after 7 minutes
   dml-optim bench --rows speed --optimizers adam adamw --workloads resnet50 many-small
   dml-optim bench --rows host memory --out host.json
+  dml-optim bench --rows nonepattern construction --optimizers adamw
   python bench/run.py --quick                  # the same, from a source checkout
 
 workloads (speed rows): a built-in model name (resnet50, gpt2, bert-base-uncased,
@@ -65,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"rows to measure, of {', '.join(ROWS)} (default: cpu {' '.join(default_rows('cpu'))}; "
                         f"cuda {' '.join(default_rows('cuda'))})")
     p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=None, metavar="NAME",
-                   help=f"optimizers of the speed, frozen and host rows (default: all of {', '.join(OPTIMIZERS)})")
+                   help=f"optimizers of the speed, frozen, host, nonepattern and construction rows (default: all of "
+                        f"{', '.join(OPTIMIZERS)})")
     p.add_argument("--workloads", nargs="+", default=None, metavar="NAME",
                    help=f"workloads of the speed rows (default: cpu {', '.join(default_workloads('cpu'))}; cuda "
                         f"{', '.join(default_workloads('cuda'))}; with --quick: {', '.join(QUICK_WORKLOADS)}); a built-in "
