@@ -527,3 +527,67 @@ def test_every_compiled_kernel_is_one_graph_without_breaks(name, variant, gated)
         opt.step()
     assert backends.resolved_backends(opt) == [["compiled"], ["compiled"]]
     assert dict(counters["graph_break"]) == {}
+
+
+# -- calling a kernel without its dynamo frame ------------------------------------------------------
+
+
+def _direct_run(monkeypatch, direct: bool) -> tuple[list[torch.Tensor], list]:
+    """Two groups (two buffer lengths), a scheduler-like lr change, a Kahan-free AdamW: parameters
+    after 6 compiled steps, and each kernel's direct caller (None where dynamo's call runs)."""
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    monkeypatch.setattr(compiled, "DIRECT_CALLS", direct)
+    gen = torch.Generator().manual_seed(9)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (300, 41, 7)]
+    opt = dml_optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}], lr=1e-2,
+                          weight_decay=0.1, backend="compiled")
+    for k in range(6):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        if k == 3:
+            opt.param_groups[0]["lr"] = 5e-3
+        opt.step()
+    return [p.detach().clone() for p in params], [getattr(fn, "_dml_direct", None) for fn in compiled._KERNELS.values()]
+
+
+@needs_compiler
+def test_a_verified_direct_call_gives_the_guarded_calls_results_bit_for_bit(monkeypatch):
+    """A plain kernel is called without its dynamo frame after its first call (once a probe call agreed
+    bit for bit with dynamo's): six steps over two buffer lengths and an lr change give exactly what
+    dynamo's guarded call gives."""
+    guarded, callers = _direct_run(monkeypatch, direct=False)
+    assert callers and all(c is None for c in callers)
+    direct, callers = _direct_run(monkeypatch, direct=True)
+    assert callers and all(c is not None for c in callers)
+    for a, b in zip(direct, guarded):
+        assert torch.equal(a, b)
+
+
+@needs_compiler
+def test_a_direct_call_that_disagrees_with_dynamo_is_never_used(monkeypatch):
+    """If the probe call through the plan differs from dynamo's (a graph whose inputs were placed
+    wrongly), the key keeps dynamo's guarded call, and the steps stay right."""
+    monkeypatch.setattr(compiled._Direct, "__call__", lambda self, args: args[0].add_(1.0))
+    wrong, callers = _direct_run(monkeypatch, direct=True)
+    assert callers and all(c is None for c in callers)
+    monkeypatch.undo()
+    right, _ = _direct_run(monkeypatch, direct=False)
+    for a, b in zip(wrong, right):
+        assert torch.equal(a, b)
+
+
+@needs_compiler
+def test_a_one_element_range_goes_through_dynamo(monkeypatch):
+    """dynamo specializes lengths 0 and 1: a one-element buffer never takes the direct call (its
+    graph may be another), and a kernel first compiled for one element gets no direct caller."""
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    p = torch.nn.Parameter(torch.tensor([0.5]))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = dml_optim.Adagrad([p], lr=0.1, backend="compiled")
+    ref = dml_optim.Adagrad([q], lr=0.1, backend="eager")
+    for k in range(3):
+        p.grad, q.grad = torch.tensor([0.1 * (k + 1)]), torch.tensor([0.1 * (k + 1)])
+        opt.step()
+        ref.step()
+    assert [getattr(fn, "_dml_direct", "untried") for fn in compiled._KERNELS.values()] == [None]
+    torch.testing.assert_close(p.detach(), q.detach())
