@@ -8,18 +8,22 @@
   ``torch.compile`` (:mod:`dml_optim.compiled`).  Falls back to eager with one
   :class:`~dml_optim.compiled.CompileFallbackWarning` per optimizer when
   compilation is unavailable or fails.
-* ``auto``: eager on DirectML and for buffers below
-  :data:`AUTO_COMPILE_MIN_ELEMENTS` elements (a first compile costs seconds,
-  which a small buffer never earns back); compiled for larger buffers on CPU
-  and CUDA when compilation is available.
+* ``auto``: eager on DirectML.  On CPU and CUDA, compiled for buffers of
+  :data:`AUTO_COMPILE_MIN_ELEMENTS` elements or more, where a first compile
+  (seconds) is earned back quickly; a smaller CPU buffer (from
+  :data:`AUTO_TIER_MIN_ELEMENTS`) starts eager and compiles once its eager
+  steps have taken :data:`AUTO_COMPILE_AFTER_EAGER_S` in all (rent or buy:
+  a short job never pays a compile, a long one loses at most about one
+  compile's time on the slower path); quantized states and masked updates
+  (parameters at several step counts) compile from thresholds of their own.
 
-Thresholds (measured with ``bench/run.py``, see ``bench/README.md``): on a
-2-core CPU VM the fused kernel beats the eager chain from about 2M elements
-on (Adam at 4M elements: 7.3 ms eager, 2.5 ms compiled), while a first
-compile costs seconds; at 4M elements a compile pays for itself in about a
-thousand steps.  On CUDA the eager chain's cost is mostly kernel launches
-(about ten per step), which a fused kernel removes whatever the size, so the
-threshold is lower.
+Measured on a 2-core CPU VM (AdamW, 8 tensors, 2 threads, torch 2.13): the
+compiled step, called without its dynamo frame, beats the eager chain from
+16k elements on (0.12 vs 0.20 ms at 16k, 0.53 vs 1.47 ms at 1M) and torch's
+fused AdamW up to 1M elements (1.2 to 1.4x); a first compile takes about 5 s
+with inductor's disk cache warm, 20 s cold.  On CUDA the eager chain's cost is
+mostly kernel launches (about ten per step), which a fused kernel removes
+whatever the size, so the threshold is lower.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from dml_optim import compiled as _compiled
 from dml_optim.options import BACKENDS
 
 __all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED", "AUTO_COMPILE_MIN_ELEMENTS_MASKED",
-           "resolve", "runner_for", "masked_runner", "compiles", "resolved_backend", "resolved_backends"]
+           "AUTO_COMPILE_AFTER_EAGER_S", "AUTO_TIER_MIN_ELEMENTS", "resolve", "tiers", "tier_due", "tiering_pending", "runner_for",
+           "masked_runner", "compiles", "resolved_backend", "resolved_backends"]
 
 #: ``backend="auto"`` compiles a flat buffer from this many elements on.
 AUTO_COMPILE_MIN_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 20}
@@ -42,6 +47,13 @@ AUTO_COMPILE_MIN_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 20}
 #: (1M-element AdamW, 2 cores: 8-bit eager 37 ms per step on one thread, compiled a few ms)
 AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED = {"cpu": 1 << 16, "cuda": 1 << 16}
 
+#: ... and a smaller CPU buffer (from AUTO_TIER_MIN_ELEMENTS on) once its eager steps have taken this long in
+#: all: the rent-or-buy rule.  A first compile costs about 5 s on a 2-core CPU with inductor's disk cache
+#: warm (20 s cold), and the compiled step is 1.6 to 2.7x faster than the eager chain from 16k elements on
+#: (AdamW, 2 threads: 0.12 vs 0.20 ms at 16k, 0.53 vs 1.47 ms at 1M); so a short job never pays a compile,
+#: and a long one spends at most about one compile's time on the slower path.
+AUTO_COMPILE_AFTER_EAGER_S = {"cpu": 5.0}
+AUTO_TIER_MIN_ELEMENTS = {"cpu": 1 << 14}
 #: ... and a masked update (parameters at several step counts, :func:`masked_runner`) from this many.
 AUTO_COMPILE_MIN_ELEMENTS_MASKED = {"cpu": 1 << 16, "cuda": 1 << 16}
 
@@ -56,14 +68,15 @@ def _device_type(device) -> str:
     raise TypeError(f"device must be a torch.device or a string, got {device!r}")
 
 
-def resolve(backend: str, device, numel: int, quantized: bool = False) -> str:
+def resolve(backend: str, device, numel: int, quantized: bool = False, eager_s: float = 0.0) -> str:
     """The backend (``"eager"`` or ``"compiled"``) that runs a flat buffer.
 
     ``backend`` is the optimizer's option, ``device`` the buffer's device (a
     ``torch.device`` or a string such as ``"privateuseone:0"``), ``numel``
-    its element count, ``quantized`` whether it keeps quantized states.
-    ``"compiled"`` resolves to ``"eager"`` where compilation is unavailable
-    (DirectML, no C++ compiler, ...).
+    its element count, ``quantized`` whether it keeps quantized states,
+    ``eager_s`` the wall time its eager steps took so far (the tiering of
+    :data:`AUTO_COMPILE_AFTER_EAGER_S`).  ``"compiled"`` resolves to
+    ``"eager"`` where compilation is unavailable (DirectML, no C++ compiler, ...).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -75,7 +88,28 @@ def resolve(backend: str, device, numel: int, quantized: bool = False) -> str:
     if backend == "compiled":
         return "compiled"
     threshold = (AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED if quantized else AUTO_COMPILE_MIN_ELEMENTS).get(device_type)
-    return "compiled" if threshold is not None and numel >= threshold else "eager"
+    if threshold is not None and numel >= threshold:
+        return "compiled"
+    return "compiled" if tier_due(device_type, numel, quantized, eager_s) else "eager"
+
+
+def tiers(device_type: str, numel: int, quantized: bool) -> bool:
+    """Whether ``auto`` counts the eager time of such a buffer, to compile it later (:func:`tier_due`)."""
+    return not quantized and numel >= AUTO_TIER_MIN_ELEMENTS.get(device_type, 1 << 62)
+
+
+def tier_due(device_type: str, numel: int, quantized: bool, eager_s: float) -> bool:
+    """A buffer below the size threshold has run eagerly for as long as its first compile would take."""
+    return tiers(device_type, numel, quantized) and eager_s >= AUTO_COMPILE_AFTER_EAGER_S[device_type]
+
+
+def tiering_pending(opt) -> bool:
+    """Some buffer of ``opt`` runs eagerly under ``auto`` now and will compile once it has run eagerly for
+    :data:`AUTO_COMPILE_AFTER_EAGER_S` (a benchmark of the steady state steps it until this is False)."""
+    return any(group["backend"] == "auto" and tiers(flat.device.type, flat.numel, flat.bits is not None)
+               and not tier_due(flat.device.type, flat.numel, flat.bits is not None, flat.eager_s)
+               and resolved_backend(opt, group, flat) == "eager" and _compiled.compile_available(flat.device.type)[0]
+               for gi, group in enumerate(opt.param_groups) for flat in opt._buffers_of(gi))
 
 
 def runner_for(opt, group: dict[str, Any], flat) -> tuple[_compiled.KernelRunner | None, tuple | None]:
@@ -136,7 +170,7 @@ def masked_runner(opt, group: dict[str, Any], flat) -> _compiled.KernelRunner | 
 def compiles(opt, group: dict[str, Any], flat) -> bool:
     """Whether ``flat`` is a compiled buffer (its memory policy: no scratch), cheaply."""
     return (group["backend"] in ("auto", "compiled") and _compiled.fell_back(opt) is None
-            and resolve(group["backend"], flat.device, flat.numel, flat.bits is not None) == "compiled")
+            and resolve(group["backend"], flat.device, flat.numel, flat.bits is not None, flat.eager_s) == "compiled")
 
 
 def resolved_backend(opt, group: dict[str, Any], flat) -> str:
@@ -144,7 +178,7 @@ def resolved_backend(opt, group: dict[str, Any], flat) -> str:
     the next step refuses it)."""
     if group["backend"] not in BACKENDS or group["backend"] == "eager" or _compiled.fell_back(opt) is not None:
         return "eager"
-    if resolve(group["backend"], flat.device, flat.numel, flat.bits is not None) == "eager":
+    if resolve(group["backend"], flat.device, flat.numel, flat.bits is not None, flat.eager_s) == "eager":
         return "eager"
     runner = _RUNNERS.get(opt) or _compiled.KernelRunner(opt)
     return "eager" if runner.key(group, flat) in _compiled._BROKEN else "compiled"

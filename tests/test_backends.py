@@ -591,3 +591,62 @@ def test_a_one_element_range_goes_through_dynamo(monkeypatch):
         ref.step()
     assert [getattr(fn, "_dml_direct", "untried") for fn in compiled._KERNELS.values()] == [None]
     torch.testing.assert_close(p.detach(), q.detach())
+
+
+# -- auto: compile a smaller buffer once its eager steps cost what a compile does ------------------------
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_auto_compiles_a_smaller_cpu_buffer_after_running_eagerly_for_a_compiles_time(monkeypatch):
+    """Below the size threshold ``auto`` starts eager, counts the eager steps' time, and compiles the buffer
+    once that reaches ``AUTO_COMPILE_AFTER_EAGER_S``: the steps before and after follow the eager twin."""
+    monkeypatch.setitem(backends.AUTO_COMPILE_AFTER_EAGER_S, "cpu", 0.02)
+    n = backends.AUTO_TIER_MIN_ELEMENTS["cpu"]
+    gen = torch.Generator().manual_seed(2)
+    p = torch.nn.Parameter(torch.randn(n, generator=gen))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt, ref = dml_optim.AdamW([p], lr=1e-3), dml_optim.AdamW([q], lr=1e-3, backend="eager")
+    seen = []
+    for _ in range(400):
+        g = torch.randn(n, generator=gen)
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        seen.append(backends.resolved_backends(opt)[0][0])
+        if seen[-1] == "compiled" and seen.count("compiled") > 3:
+            break
+    assert seen[0] == "eager" and seen[-1] == "compiled", seen[:3] + seen[-3:]
+    assert not backends.tiering_pending(opt)
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_small_and_quantized_buffers_never_tier():
+    """A buffer under ``AUTO_TIER_MIN_ELEMENTS`` (or with quantized states, which compile from their own
+    threshold) is not timed and stays eager however long it runs."""
+    small = backends.AUTO_TIER_MIN_ELEMENTS["cpu"] - 1
+    assert not backends.tiers("cpu", small, False) and not backends.tiers("cpu", 1 << 15, True)
+    assert backends.resolve("auto", "cpu", small, eager_s=1e9) == "eager"
+    p = torch.nn.Parameter(torch.randn(small))
+    p.grad = torch.randn(small)
+    opt = dml_optim.Adam([p])
+    for _ in range(3):
+        opt.step()
+    assert opt.flat_buffers()[0].numel == small and opt._layout[0].buffers[0].eager_s == 0.0
+    assert not backends.tiering_pending(opt)
+
+
+def test_the_eager_time_survives_a_repack():
+    """Unfreezing re-packs the group into new buffers; the time already spent eagerly carries over."""
+    n = backends.AUTO_TIER_MIN_ELEMENTS["cpu"]
+    a, b = torch.nn.Parameter(torch.randn(n)), torch.nn.Parameter(torch.randn(n), requires_grad=False)
+    opt = dml_optim.Adam([a, b])
+    a.grad = torch.randn(n)
+    for _ in range(3):
+        opt.step()
+    spent = opt._layout[0].buffers[0].eager_s
+    assert spent > 0
+    b.requires_grad_(True)
+    b.grad = torch.randn(n)
+    opt.step()
+    assert opt._layout[0].buffers[0].eager_s > spent

@@ -23,6 +23,7 @@ candidates share one read-only copy.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from typing import Callable, Iterator
 
@@ -31,7 +32,7 @@ import torch
 from dml_optim.benchmark.timing import wall_seconds
 from dml_optim.quant import tensors_of
 
-__all__ = ["OPTIMIZERS", "CANDIDATES", "TORCH_CANDIDATES", "AUTO", "BYTES_PER_ELEMENT", "Candidate", "build_optimizer",
+__all__ = ["OPTIMIZERS", "CANDIDATES", "TORCH_CANDIDATES", "AUTO", "BYTES_PER_ELEMENT", "Candidate", "build_optimizer", "settle", "settle_steps",
            "start", "unavailable", "no_compile_fallback"]
 
 #: The optimizers the benchmark measures (registry names).
@@ -125,6 +126,24 @@ def start(name: str, optimizer: str, params: list[torch.nn.Parameter], grads: li
         cand.attach(grads)
         cand.first_step_s = wall_seconds(cand.step, device, probe=params[-1])
     return cand
+
+
+def settle(cand: Candidate) -> None:
+    """Step a ``dml_optim auto`` candidate until ``auto`` has decided for good (:func:`settle_steps`)."""
+    if cand.name == AUTO:
+        settle_steps(cand.opt, cand.step)
+
+
+def settle_steps(opt: torch.optim.Optimizer, step: Callable[[], object]) -> None:
+    """Call ``step`` until no buffer of ``opt`` will still switch backends under ``auto`` (one that compiles
+    after running eagerly for a while, :data:`dml_optim.backends.AUTO_COMPILE_AFTER_EAGER_S`, has done
+    so): a row measures the steady state of a training run, not its first seconds."""
+    from dml_optim.backends import AUTO_COMPILE_AFTER_EAGER_S, tiering_pending
+
+    deadline = time.perf_counter() + 3 * max(AUTO_COMPILE_AFTER_EAGER_S.values()) + 30
+    with no_compile_fallback():
+        while tiering_pending(opt) and time.perf_counter() < deadline:
+            step()
 
 
 @contextlib.contextmanager

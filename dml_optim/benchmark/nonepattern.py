@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dml_optim.benchmark.candidates import AUTO, build_optimizer, no_compile_fallback, unavailable
+from dml_optim.benchmark.candidates import AUTO, build_optimizer, no_compile_fallback, settle_steps, unavailable
 from dml_optim.benchmark.common import error_text
 from dml_optim.benchmark.timing import round_robin, wall_seconds
 from dml_optim.benchmark.workloads import Workload, make_params, make_values, tensors
@@ -124,6 +124,8 @@ def _start(name: str, optimizer: str, work: Workload, values: list, grads: list,
         first_s = wall_seconds(stepper.step, device, probe=params[-1])
         for _ in range(burn_in - 1):
             stepper.step()
+    if name == AUTO:
+        settle_steps(stepper.opt, stepper.step)
     return stepper, first_s
 
 

@@ -28,11 +28,14 @@ several step counts, what ``auto`` runs is not the plain step's choice).
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable, Sequence
 
 import torch
 
-from dml_optim.benchmark.candidates import AUTO, BYTES_PER_ELEMENT, CANDIDATES, TORCH_CANDIDATES, Candidate, start, unavailable
+from dml_optim.benchmark.candidates import (AUTO, BYTES_PER_ELEMENT, CANDIDATES, TORCH_CANDIDATES, Candidate, settle, start,
+                                            unavailable)
 from dml_optim.benchmark.common import error_text
 from dml_optim.benchmark.timing import Reference, kernel_seconds, round_robin, wall_seconds
 from dml_optim.benchmark.workloads import Workload, make_params, make_values
@@ -88,6 +91,8 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
     from dml_optim.backends import resolve
 
     numel = work.trainable_numel
+    for c in cands:
+        settle(c)
     ref = Reference(numel, device, dtype)
     steps = {c.name: c.step for c in cands}
     steps["reference"] = ref.step
@@ -126,7 +131,8 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
         "reference_ms": ref_s * 1e3, "reference_gbs": ref.bytes_moved / ref_s / 1e9,
         "reference_kernel_ms": None if ref_kernel is None else ref_kernel * 1e3,
         "reference_kernel_gbs": None if ref_kernel is None else ref.bytes_moved / ref_kernel / 1e9,
-        "auto_backend": "auto" if AUTO in rows else resolve("auto", device, numel),
+        # (what auto runs in a long run: a buffer it compiles after running eagerly for a while is compiled)
+        "auto_backend": "auto" if AUTO in rows else resolve("auto", device, numel, eager_s=math.inf),
         "rounds": min(t["samples"] for t in timed.values()),
         "trainable_elements": numel,
     }

@@ -24,6 +24,7 @@ update:
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable
 
 import torch
@@ -248,6 +249,8 @@ class EngineMixin:
         write; otherwise the exception gets a note naming what may have been
         partially updated.
         """
+        from dml_optim.backends import tiers
+
         snapshot = self._snapshot(work) if self.atomic else None
         done = 0
         try:
@@ -259,7 +262,11 @@ class EngineMixin:
                         if k.active:
                             k.tensor = None  # the host count advances; a stale device mirror is dropped
                 elif runner is None or not runner(group, flat, c, finite, key):
+                    timed = group["backend"] == "auto" and tiers(flat.device.type, flat.numel, flat.bits is not None)
+                    start = time.perf_counter() if timed else 0.0
                     self._apply_eager(group, flat, c, finite, scalars)
+                    if timed:  # (CPU ops are synchronous: this is the step's own time)
+                        flat.eager_s += time.perf_counter() - start
                 done += 1
             for _, flat in work:
                 if flat.staged:

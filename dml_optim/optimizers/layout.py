@@ -317,6 +317,9 @@ class LayoutMixin:
         layout.frozen = [i for i in range(len(group["params"])) if i not in set(members)]
         old = layout.buffers
         layout.buffers = self._pack(group, members)
+        spent = max((flat.eager_s for flat in old), default=0.0)
+        for flat in layout.buffers:  # (the group's eager time so far counts for backend="auto"'s tiering)
+            flat.eager_s = spent
         for flat in layout.buffers:  # (the new buffers gathered the existing gradients when packing)
             if not any(gi_ in carried for gi_ in flat.indices):
                 continue
