@@ -463,12 +463,14 @@ class KernelRunner:
 
     def _cached(self, group, flat) -> tuple[tuple, str]:
         cached = self._keys.get(flat)
-        allocated = (len(flat.states), flat.master is None, flat.kahan is None, flat.numel)
+        from dml_optim.backends import resolve, tier_due
+
+        due = tier_due(flat.device.type, flat.numel, flat.bits is not None, flat.eager_s)
+        allocated = (len(flat.states), flat.master is None, flat.kahan is None, flat.numel, due)
         if cached is not None and cached[0] is flat.settings and flat.settings is not None and cached[1] == allocated:
             return cached[2]
-        from dml_optim.backends import resolve
-
-        value = (self._key(group, flat), resolve(group["backend"], flat.device, flat.numel, flat.bits is not None))
+        value = (self._key(group, flat),
+                 resolve(group["backend"], flat.device, flat.numel, flat.bits is not None, flat.eager_s))
         self._keys[flat] = (flat.settings, allocated, value)
         return value
 
