@@ -202,6 +202,9 @@ def kernel(key: tuple):
 
         raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
         options = _options(key[-1])
+        if key[0] == "masked" and _has_option("assert_indirect_indexing"):
+            # the owner index is ours (built from the layout, in range by construction): no bounds check per element
+            options = {**(options or {}), "assert_indirect_indexing": False}
         if _direct_eligible(key):  # (fn._dml_direct: how to call it without dynamo, after its first call)
             capture = _Capture(options)
             fn = _torch_compile(raw, dynamic=True, backend=capture)
@@ -348,6 +351,14 @@ def _options(device: str) -> dict[str, bool] | None:
     if device.startswith("cpu") and _has_cpp_option("dynamic_threads"):
         options["cpp.dynamic_threads"] = True
     return options or None
+
+
+def _has_option(name: str) -> bool:
+    try:
+        import torch._inductor.config as config
+    except ImportError:  # pragma: no cover - builds without inductor
+        return False
+    return hasattr(config, name)
 
 
 def _has_cpp_option(name: str) -> bool:

@@ -110,7 +110,7 @@ class FlatBuffer:
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
                  "grad_views", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
-                 "_owner", "settings", "eager_s", "__weakref__")
+                 "_owner", "settings", "eager_s", "scalars", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
                  bits: int | None = None):
@@ -138,6 +138,7 @@ class FlatBuffer:
         self.precision: tuple | None = None
         self.owned = True
         self.settings: tuple | None = None  # the group's validated settings at this buffer's last step (a token)
+        self.scalars: tuple | None = None  # (settings, {count: host scalars}) of the last masked update
         self.eager_s = 0.0  # wall time of its eager steps on the CPU under backend="auto" (the backends' tiering)
         if any(g is not None for g in map(_GRAD, self.params)):
             self.ensure_grad()

@@ -207,13 +207,14 @@ def fused_step(cls, structure: tuple, names: Sequence[str], compute_dtype: torch
     T.add_(finite.to(T.dtype) if finite is not None else 1)
 
 
-def masked_scalars(cls, hyper: Mapping[str, Any], counts: Sequence[int | None], sizes: Sequence[int], *,
-                   fold: bool) -> tuple[dict[str, Any], list[str], list[list[float]]]:
+def masked_scalars(cls, hyper: Mapping[str, Any], by_count: Mapping[int, dict[str, Any]], counts: Sequence[int | None],
+                   sizes: Sequence[int], *, fold: bool) -> tuple[dict[str, Any], list[str], list[list[float]]]:
     """The scalars of one masked update: ``(fixed, names, table)``.
 
     ``counts``: per run of parameters, its completed steps, or None for a run without a gradient
     (it takes the rule's no-op, ``skip_identity``, and its gradient slot must be zero);
-    ``sizes``: how many parameters each run has.  Structure (a scalar that is neither a step
+    ``sizes``: how many parameters each run has; ``by_count``: the host scalars
+    (:func:`step_scalars`) of each count that occurs.  Structure (a scalar that is neither a step
     coefficient nor has a no-op value: a sign, a flag) and a coefficient that is exactly 0
     everywhere (it removes ops) are ``fixed`` Python values; with ``fold`` (eager) so is any
     scalar that takes one value everywhere.  Every other scalar has a row in ``table`` with one
@@ -221,8 +222,7 @@ def masked_scalars(cls, hyper: Mapping[str, Any], counts: Sequence[int | None], 
     elements); a compiled kernel takes its values there, so a scheduler's new ``lr`` is data, not a
     new kernel.
     """
-    by_count = {n: step_scalars(cls, hyper, n, None) for n in dict.fromkeys(c for c in counts if c is not None)}
-    some = next(iter(by_count.values()))
+    some = by_count[next(c for c in counts if c is not None)]
     idle = {**some, **{k: v for k, v in cls.skip_identity.items() if k in some}}  # a step that changes nothing
     rows = [by_count[n] if n is not None else idle for n in counts]
     coefficients = set(cls.coefficients(hyper, 0)) | set(cls.skip_identity)

@@ -216,10 +216,18 @@ class EngineMixin:
         kept) and one compute-dtype tensor per varying scalar while the step runs (eager).
         """
         classes = flat.counter.classes
-        for count in {c.count for c in classes if c.active}:
-            self._check_step_limit(count)
-            self._check_range(group, flat, step_scalars(type(self), group, count, None))
-        fixed, names, rows = masked_scalars(type(self), group, [c.count if c.active else None for c in classes],
+        cache = flat.scalars if flat.scalars is not None and flat.scalars[0] is flat.settings else (flat.settings, {})
+        known = cache[1]
+        by_count = {}
+        for c in classes:
+            if c.active and c.count not in by_count:
+                if c.count not in known:  # (counts advance by one a step: most were computed the step before)
+                    self._check_step_limit(c.count)
+                    known[c.count] = step_scalars(type(self), group, c.count, None)
+                    self._check_range(group, flat, known[c.count])
+                by_count[c.count] = known[c.count]
+        flat.scalars = (cache[0], by_count)  # (keeps this step's counts only)
+        fixed, names, rows = masked_scalars(type(self), group, by_count, [c.count if c.active else None for c in classes],
                                             [c.stop - c.first for c in classes], fold=not compiled)
         table = torch.tensor(rows, dtype=self._compute_dtype(group, flat.dtype, flat.bits), device=flat.device)
         return fixed, names, table.view(len(names), len(flat))

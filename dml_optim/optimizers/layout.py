@@ -231,6 +231,9 @@ class LayoutMixin:
     def _check_grad(self, flat: FlatBuffer, i: int, gi: int) -> None:
         p = flat.params[i]
         grad = p.grad
+        t, g = local_tensor(p), local_tensor(grad)
+        if g.shape == t.shape and g.dtype == t.dtype and g.device == t.device and not grad.is_sparse:
+            return  # (the common case, without building the messages)
         where = describe_param(p, flat.indices[i], gi)
         if grad.is_sparse:
             raise TypeError(f"grad of {where} is sparse; dml_optim supports dense gradients only")
