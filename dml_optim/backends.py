@@ -54,8 +54,10 @@ AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED = {"cpu": 1 << 16, "cuda": 1 << 16}
 #: and a long one spends at most about one compile's time on the slower path.
 AUTO_COMPILE_AFTER_EAGER_S = {"cpu": 5.0}
 AUTO_TIER_MIN_ELEMENTS = {"cpu": 1 << 14}
-#: ... and a masked update (parameters at several step counts, :func:`masked_runner`) from this many.
-AUTO_COMPILE_MIN_ELEMENTS_MASKED = {"cpu": 1 << 16, "cuda": 1 << 16}
+#: ... and a masked update (parameters at several step counts, :func:`masked_runner`) from this many (CUDA, where
+#: its per-element gathers are cheap: not measured on a GPU yet; the CPU steps such buffers one run at a time,
+#: see ``optimizers.engine.MASKED_DEVICES``).
+AUTO_COMPILE_MIN_ELEMENTS_MASKED = {"cuda": 1 << 16}
 
 _RUNNERS: "weakref.WeakKeyDictionary[Any, _compiled.KernelRunner]" = weakref.WeakKeyDictionary()
 

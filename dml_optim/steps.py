@@ -110,8 +110,8 @@ class StepCounter:
     def split(self, active: Sequence[bool] | None) -> None:
         """Refine the classes so that none mixes parameters with and without a gradient.
 
-        A class split in two keeps one device counter for its inactive part and
-        a copy for the active part (one op), so the two can then diverge.
+        Each run a class splits into gets a device counter of its own (the first
+        keeps the class's, the others a copy: one op each), so they can diverge.
         """
         if active is None:
             for c in self.classes:
@@ -120,14 +120,16 @@ class StepCounter:
             return
         out: list[StepClass] = []
         for c in self.classes:
-            clones: dict[bool, torch.Tensor | None] = {}
+            first_run = True
             start = c.first
             for i in range(c.first + 1, c.stop + 1):
                 if i == c.stop or active[i] != active[start]:
                     flag = bool(active[start])
-                    if flag not in clones:
-                        clones[flag] = c.tensor if not clones or c.tensor is None else c.tensor.clone()
-                    out.append(StepClass(start, i, c.count, c.key, clones[flag], flag))
+                    # every run its own counter: a kernel advances the counter of the run it updates, and
+                    # runs left apart (no re-pack) are updated one at a time
+                    tensor = c.tensor if first_run or c.tensor is None else c.tensor.clone()
+                    first_run = False
+                    out.append(StepClass(start, i, c.count, c.key, tensor, flag))
                     start = i
         self.classes = out
         self.merge()

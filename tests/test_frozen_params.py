@@ -318,6 +318,16 @@ def test_unfrozen_parameter_gets_fresh_state_and_others_keep_theirs():
 # -- None-gradient patterns ----------------------------------------------------------------------------
 
 
+def _mask_on_cpu(monkeypatch) -> None:
+    """Make the CPU take masked updates, as DirectML and CUDA do (on the CPU one update per run is faster)."""
+    from dml_optim import backends
+    from dml_optim.optimizers import engine
+
+    monkeypatch.setattr(engine, "MASKED_DEVICES", (*engine.MASKED_DEVICES, "cpu"))
+    monkeypatch.setitem(backends.AUTO_COMPILE_MIN_ELEMENTS_MASKED, "cpu", 1 << 16)
+
+
+
 SHAPES = [(7,), (3, 4), (), (2, 3, 2), (9,), (4, 4), (1,), (5, 2), (6,), (2, 2, 2), (3,), (8,)]
 
 
@@ -366,11 +376,14 @@ def _none_pattern_run(pair: Pair, steps: int = 50, seed: int = 5, check_every_st
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
-def test_random_none_gradients_equal_torch_and_ops_stay_bounded(pair):
+def test_random_none_gradients_equal_torch_and_ops_stay_bounded(pair, monkeypatch):
     """50 seeded steps of random None-gradient patterns: parameters, states and step counts equal
     torch.optim's; ops per step <= ``op_bound`` of the distinct step counts among the parameters
     with a gradient (from the test's own count, which torch's ``step`` confirms).  The first step
-    (which allocates the states) is not bounded."""
+    (which allocates the states) is not bounded.  The bound is DirectML's (ops are what a step costs
+    there): the CPU takes DirectML's policy (masked updates) for this test; its own, one update per
+    run, is tested for equality in ``test_changing_none_patterns_step_in_place_per_run...``."""
+    _mask_on_cpu(monkeypatch)
     bound_used = []
     for k, ops, distinct, (opt, topt, ps, ts, counts) in _none_pattern_run(pair):
         for p, t in zip(ps, ts):
@@ -703,15 +716,39 @@ def _changing_patterns(pair: Pair, backend: str, *, n: int = 24, size: int = 96,
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
-def test_changing_none_patterns_step_once_in_place_and_equal_torch(pair, backend):
-    """Parameters at several step counts under a pattern of ``None`` gradients that changes every step
-    step in one masked update: the buffer keeps its parameter order (no re-pack), the op count of a
-    step is the same whatever the pattern (eager; compiled: the rule is one kernel), and parameters
-    and states equal torch.optim's at every step."""
+def test_changing_none_patterns_step_in_place_per_run_on_the_cpu_and_equal_torch(pair, backend):
+    """On the CPU, parameters at several step counts under a pattern of ``None`` gradients that changes
+    every step take one update per run of parameters at one count, in the buffer's order (no re-pack),
+    within the op bound of the distinct counts, and equal torch.optim at every step."""
     from dml_optim.compiled import compile_available
 
     if backend == "compiled" and not compile_available("cpu")[0]:
         pytest.skip(f"torch.compile unavailable on this CPU: {compile_available('cpu')[1]}")
+    order_before, several = None, 0
+    for k, ops, distinct, order, ps, ts, opt, topt in _changing_patterns(pair, backend):
+        for p, t in zip(ps, ts):
+            assert_close(p.detach(), t.detach())
+        if distinct >= 2:
+            several += 1
+            assert order == order_before, (k, "re-packed")
+        order_before = order
+    assert several, "the pattern never left parameters at several step counts: the test is vacuous"
+    _assert_states_like_torch(opt, topt, pair)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+def test_changing_none_patterns_step_once_in_place_and_equal_torch(pair, backend, monkeypatch):
+    """Where masked updates are used (DirectML, CUDA; here the CPU made to), parameters at several step
+    counts under a pattern of ``None`` gradients that changes every step step in one masked update:
+    the buffer keeps its parameter order (no re-pack), the op count of a step is the same whatever the
+    pattern (eager; compiled: the rule is one kernel), and parameters and states equal torch.optim's
+    at every step."""
+    from dml_optim.compiled import compile_available
+
+    if backend == "compiled" and not compile_available("cpu")[0]:
+        pytest.skip(f"torch.compile unavailable on this CPU: {compile_available('cpu')[1]}")
+    _mask_on_cpu(monkeypatch)
     masked_ops = []
     order_before = None
     for k, ops, distinct, order, ps, ts, opt, topt in _changing_patterns(pair, backend):
@@ -736,14 +773,15 @@ def test_changing_none_patterns_step_once_in_place_and_equal_torch(pair, backend
 
 
 @pytest.mark.slow
-def test_auto_compiles_the_masked_update_of_a_large_buffer():
-    """``backend="auto"`` runs the masked update of a buffer of 2**16 elements or more as one compiled
-    kernel (on a CPU with a compiler), and its result equals the eager masked update's."""
+def test_auto_compiles_the_masked_update_of_a_large_buffer(monkeypatch):
+    """``backend="auto"`` runs the masked update of a buffer from ``AUTO_COMPILE_MIN_ELEMENTS_MASKED`` on as
+    one compiled kernel (CUDA's policy, given to the CPU here), equal to the eager masked update."""
     from dml_optim import compiled
     from dml_optim.backends import AUTO_COMPILE_MIN_ELEMENTS_MASKED
 
     if not compiled.compile_available("cpu")[0]:
         pytest.skip(f"torch.compile unavailable on this CPU: {compiled.compile_available('cpu')[1]}")
+    _mask_on_cpu(monkeypatch)
     size = AUTO_COMPILE_MIN_ELEMENTS_MASKED["cpu"] // 8
     runs = {}
     for backend in ("auto", "eager"):

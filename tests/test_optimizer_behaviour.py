@@ -113,12 +113,20 @@ def test_none_grad_params_are_skipped_exactly_like_torch_optim():
     assert steps == {0: 7.0, 1: 7.0, 2: 7.0, 3: 8.0}  # 10 steps minus the skips
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["per-run", "masked"])
 @pytest.mark.parametrize("case", cases(variants="all", dtypes=(F64,), devices=("cpu",))
                          + cases(dtypes=(F64,), devices=("cpu",), backends=("compiled",)))
-def test_changing_none_patterns_follow_the_reference_per_parameter(case):
+def test_changing_none_patterns_follow_the_reference_per_parameter(case, masked, monkeypatch):
     """Every variant, under ``None`` gradients that change every step (parameters at several step counts:
-    one masked update): each parameter with a gradient takes the float64 reference step from its own
-    pre-step values and its own count; each one without keeps its values and state bit for bit."""
+    one update per run, the CPU's way, or one masked update, DirectML's and CUDA's, given to the CPU
+    here): each parameter with a gradient takes the float64 reference step from its own pre-step values
+    and its own count; each one without keeps its values and state bit for bit."""
+    if masked:
+        from dml_optim import backends
+        from dml_optim.optimizers import engine
+
+        monkeypatch.setattr(engine, "MASKED_DEVICES", (*engine.MASKED_DEVICES, "cpu"))
+        monkeypatch.setitem(backends.AUTO_COMPILE_MIN_ELEMENTS_MASKED, "cpu", 1 << 16)
     gen = torch.Generator().manual_seed(21)
     shapes = [(5,), (2, 3), (), (4,), (3, 1), (7,), (2, 2), (1,), (6,), (3,)]
     params = case.params(shapes, seed=4)

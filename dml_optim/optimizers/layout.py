@@ -256,10 +256,11 @@ class LayoutMixin:
     def _bind(self, group: dict[str, Any], flat: FlatBuffer, binding: Binding | None) -> list[bool] | None:
         """Adopt re-bound parameters, order the step classes, gather foreign gradients.
 
-        A buffer that steps in one masked update (the engine's ``_masks``: counts on the host, no
-        conversions) keeps its order whatever the ``None`` gradients; otherwise parameters that step
-        together are made contiguous first (a re-pack, when ``None`` gradients left a class in
-        pieces), so that the rule runs once per step count.  Returns which parameters have a
+        A buffer whose parameters with a gradient are at several step counts known on the host (the
+        engine's ``_several_counts``) keeps its order whatever the ``None`` gradients: it steps in one
+        masked update, or once per run; otherwise parameters that step together are made contiguous
+        first (a re-pack, when ``None`` gradients left a class in pieces), so that the rule runs once
+        per step count.  Returns which parameters have a
         gradient (None: all of them).
         """
         active = foreign = None
@@ -276,7 +277,7 @@ class LayoutMixin:
             counter.classes[0].active = True
         else:
             counter.split(active)
-            order = None if group["nonfinite"] != "skip" and self._masks(group, flat) else counter.order()
+            order = None if group["nonfinite"] != "skip" and self._several_counts(group, flat) else counter.order()
             if order is not None and flat.owned:
                 flat.permute(order)
                 where = {i: pos for pos, i in enumerate(order)}
