@@ -141,7 +141,8 @@ class FlatBuffer:
         self.scalars: tuple | None = None  # (settings, {count: host scalars}) of the last masked update
         self.eager_s = 0.0  # wall time of its eager steps on the CPU under backend="auto" (the backends' tiering)
         if any(g is not None for g in map(_GRAD, self.params)):
-            self.ensure_grad()
+            every = all(g is not None for g in map(_GRAD, self.params)) and self.align == 1 and not self.staged
+            self.ensure_grad(filled=not every)  # (every gradient copied in: nothing to zero first)
             self.gather_grads([i for i, p in enumerate(self.params) if p.grad is not None])
 
     # -- layout --------------------------------------------------------------------
@@ -208,11 +209,13 @@ class FlatBuffer:
 
     # -- gradients -------------------------------------------------------------------
 
-    def ensure_grad(self) -> torch.Tensor:
-        """The flat gradient buffer, allocated (zeros) the first time it is needed."""
+    def ensure_grad(self, *, filled: bool = True) -> torch.Tensor:
+        """The flat gradient buffer, allocated the first time it is needed: zeros, or uninitialized when
+        the caller writes every element next (``filled=False``)."""
         if self.grad is None:
             with torch.no_grad():
-                self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+                alloc = torch.zeros if filled else torch.empty
+                self.grad = alloc(self.numel, dtype=self.dtype, device=self.device)
             self.grad_views = self.views(self.grad)
         return self.grad
 
@@ -243,7 +246,8 @@ class FlatBuffer:
         if self.staged or self.align != 1:
             return False
         grads = [local_tensor(p.grad).reshape(-1) if a else None for p, a in zip(self.params, active)]
-        home = _storage(self.ensure_grad())
+        home = _storage(self.ensure_grad(filled=False))  # (a new buffer: every element is written below or by
+        # the caller's gather and zeroing when this returns False)
         if any(g is not None and _storage(g) == home for g in grads):
             return False  # (a view of our own buffer: cat cannot read what it writes)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
