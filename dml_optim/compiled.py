@@ -316,7 +316,8 @@ def _make_direct(fn, args: list) -> "_Direct | None":
     checked once against dynamo's on probe operands (:func:`_probe`): any difference, a second graph
     or a recompile, and the key keeps dynamo's guarded call."""
     capture = getattr(fn, "_dml_capture", None)
-    if not DIRECT_CALLS or capture is None or len(capture.graphs) != 1 or any(a.dim() > 1 for a in args) or args[0].shape[0] < 2:
+    if (not DIRECT_CALLS or capture is None or len(capture.graphs) != 1 or any(a.dim() > 1 for a in args)
+            or args[0].shape[0] < 2):
         return None
     gm, example_inputs, compiled = capture.graphs[0]
     plan = _plan(gm, example_inputs, args)
@@ -325,11 +326,8 @@ def _make_direct(fn, args: list) -> "_Direct | None":
     direct = _Direct(compiled, plan)
     probe = [_probe(a) for a in args]
     through_dynamo, called_directly = [p.clone() for p in probe], [p.clone() for p in probe]
-    try:
-        fn(*through_dynamo)
-        direct(called_directly)
-    except Exception:  # pragma: no cover - an unexpected graph signature: keep dynamo's call
-        return None
+    fn(*through_dynamo)
+    direct(called_directly)
     if len(capture.graphs) != 1 or not all(torch.equal(a, b) for a, b in zip(through_dynamo, called_directly)):
         return None
     return direct
@@ -604,8 +602,6 @@ class KernelRunner:
                 counting.run_compiled(call)  # one op, run outside the recorder
             else:
                 call()
-            if not hasattr(fn, "_dml_direct") and hasattr(fn, "_dml_capture"):
-                fn._dml_direct = _make_direct(fn, args)
         except Exception as exc:  # compile errors surface at the first call
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             _BROKEN[key] = f"compilation failed ({type(exc).__name__}: {first})"
@@ -620,4 +616,10 @@ class KernelRunner:
             _BROKEN[key] = (f"dynamo's recompile limit ({_recompile_limit()}) was reached for kernel "
                             f"{_key_name(key)}; dynamo would run it uncompiled from now on")
             fall_back(opt, device, _BROKEN[key])
+        elif not hasattr(fn, "_dml_direct") and hasattr(fn, "_dml_capture") and counting is None \
+                and not _dispatch_mode_active():  # (after the step: whatever happens here, it happened once)
+            try:
+                fn._dml_direct = _make_direct(fn, args)
+            except Exception:  # pragma: no cover - an unforeseen graph: dynamo's call stays
+                fn._dml_direct = None
         return True
