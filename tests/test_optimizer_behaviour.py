@@ -113,9 +113,11 @@ def test_none_grad_params_are_skipped_exactly_like_torch_optim():
     assert steps == {0: 7.0, 1: 7.0, 2: 7.0, 3: 8.0}  # 10 steps minus the skips
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["per-run", "masked"])
-@pytest.mark.parametrize("case", cases(variants="all", dtypes=(F64,), devices=("cpu",))
-                         + cases(dtypes=(F64,), devices=("cpu",), backends=("compiled",)))
+@pytest.mark.parametrize("case,masked",
+                         [pytest.param(p.values[0], m, id=f"{p.id}-{'masked' if m else 'per-run'}", marks=p.marks)
+                          for p in cases(variants="all", dtypes=(F64,), devices=("cpu",)) for m in (False, True)]
+                         + [pytest.param(p.values[0], False, id=f"{p.id}-per-run", marks=p.marks)
+                            for p in cases(dtypes=(F64,), devices=("cpu",), backends=("compiled",))])
 def test_changing_none_patterns_follow_the_reference_per_parameter(case, masked, monkeypatch):
     """Every variant, under ``None`` gradients that change every step (parameters at several step counts:
     one update per run, the CPU's way, or one masked update, DirectML's and CUDA's, given to the CPU

@@ -116,7 +116,7 @@ class PatternStepper:
 
 
 def _start(name: str, optimizer: str, work: Workload, values: list, grads: list, patterns: list,
-           burn_in: int, device: torch.device) -> tuple[PatternStepper, float]:
+           burn_in: int, device: torch.device, settle: bool = True) -> tuple[PatternStepper, float]:
     """Candidate ``name`` stepping ``patterns``, and its first step's seconds; it has taken ``burn_in`` steps."""
     params = make_params(work, values)
     with no_compile_fallback():
@@ -124,7 +124,7 @@ def _start(name: str, optimizer: str, work: Workload, values: list, grads: list,
         first_s = wall_seconds(stepper.step, device, probe=params[-1])
         for _ in range(burn_in - 1):
             stepper.step()
-    if name == AUTO:
+    if name == AUTO and settle:
         settle_steps(stepper.opt, stepper.step)
     return stepper, first_s
 
@@ -163,7 +163,8 @@ def make_record(optimizer: str, work: Workload, patterns: int, rows: list[dict])
 
 
 def _start_all(optimizer: str, work: Workload, patterns: list, device: torch.device, dtype: torch.dtype,
-               log: Callable[[str], None]) -> tuple[dict[str, dict], dict[str, PatternStepper], dict[str, float]]:
+               log: Callable[[str], None], settle: bool = True
+               ) -> tuple[dict[str, dict], dict[str, PatternStepper], dict[str, float]]:
     """Every candidate in both modes, each past its burn-in: the rows (keyed ``"candidate, mode"``; n/a ones
     with the reason), the steppers that run, and their first steps' seconds."""
     every = [(True,) * len(work.shapes)]
@@ -180,7 +181,8 @@ def _start_all(optimizer: str, work: Workload, patterns: list, device: torch.dev
             if row["reason"] is None:
                 try:
                     steppers[key], first[key] = _start(name, optimizer, work, values, grads,
-                                                       patterns if mode == "changing" else every, len(patterns), device)
+                                                       patterns if mode == "changing" else every, len(patterns), device,
+                                                       settle)
                     row.update(available=True, first_step_ms=first[key] * 1e3)
                 except Exception as exc:  # torch.optim.SGD(fused=True) refuses new momentum buffers, a compile failed, ...
                     row["reason"] = error_text(exc)
@@ -194,7 +196,7 @@ def measure_nonepattern(optimizer: str, device: torch.device, dtype: torch.dtype
     """The None-pattern row of ``optimizer``: its record (see the module docstring)."""
     work = workload(quick=quick)
     patterns = draw_patterns(_COUNT, _PRESENT, _QUICK_PATTERNS if quick else _PATTERNS, _SEED)
-    rows, steppers, first = _start_all(optimizer, work, patterns, device, dtype, log)
+    rows, steppers, first = _start_all(optimizer, work, patterns, device, dtype, log, settings.get("settle", True))
     probe = next(iter(steppers.values())).params[-1] if steppers else None
     timed = round_robin({k: s.step for k, s in steppers.items()},
                         lambda fn, inner: wall_seconds(fn, device, inner, probe), settings, first)

@@ -88,14 +88,15 @@ def not_measured(device: torch.device, requested: Sequence[str]) -> list[dict[st
 
 def settings_for(device_type: str, quick: bool) -> dict[str, Any]:
     """Sampling settings (:func:`dml_optim.benchmark.timing.round_robin`); CUDA: 3 warm-up steps and
-    at least 20 back-to-back steps per sample; ``kernel_time``: profile kernels (CUDA)."""
+    at least 20 back-to-back steps per sample; ``kernel_time``: profile kernels (CUDA); ``settle``: step
+    ``dml_optim auto`` candidates until ``auto`` has decided (:func:`~dml_optim.benchmark.candidates.settle`)."""
     s = dict(warmup=2, rounds=9, min_rounds=3, min_inner=1, max_inner=50, min_sample_s=0.02, group_budget_s=60.0,
-             kernel_time=True)
+             kernel_time=True, settle=True)
     if device_type == "cuda":
         s.update(warmup=3, rounds=11, min_rounds=5, min_inner=20, max_inner=200, min_sample_s=0.01, group_budget_s=6.0)
     if quick:
         s.update(warmup=min(s["warmup"], 3 if device_type == "cuda" else 1), rounds=3, min_rounds=3,
-                 min_sample_s=0.002, group_budget_s=2.0)
+                 min_sample_s=0.002, group_budget_s=2.0, settle=False)  # (no 5 s of eager steps per row)
     return s
 
 

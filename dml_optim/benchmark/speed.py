@@ -92,7 +92,8 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
 
     numel = work.trainable_numel
     for c in cands:
-        settle(c)
+        if settings.get("settle", True):
+            settle(c)
     ref = Reference(numel, device, dtype)
     steps = {c.name: c.step for c in cands}
     steps["reference"] = ref.step
