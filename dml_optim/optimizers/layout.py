@@ -260,8 +260,7 @@ class LayoutMixin:
         engine's ``_several_counts``) keeps its order whatever the ``None`` gradients: it steps in one
         masked update, or once per run; otherwise parameters that step together are made contiguous
         first (a re-pack, when ``None`` gradients left a class in pieces), so that the rule runs once
-        per step count.  Returns which parameters have a
-        gradient (None: all of them).
+        per step count.  Returns which parameters have a gradient (None: all of them).
         """
         active = foreign = None
         if binding is not None:
