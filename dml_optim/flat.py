@@ -59,6 +59,11 @@ _GRAD = operator.attrgetter("grad")
 #: per-call ``__torch_function__`` lookup of tensor subclasses (we only read attributes)
 _FAST_ATTRIBUTES = torch._C.DisableTorchFunctionSubclass
 _DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_IS_SPARSE = operator.attrgetter("is_sparse")
 
 
 # -- the buffer ----------------------------------------------------------------------------------
@@ -110,7 +115,7 @@ class FlatBuffer:
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
                  "grad_views", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
-                 "_owner", "settings", "eager_s", "scalars", "__weakref__")
+                 "_owner", "settings", "eager_s", "scalars", "fused", "pending", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
                  bits: int | None = None):
@@ -140,10 +145,9 @@ class FlatBuffer:
         self.settings: tuple | None = None  # the group's validated settings at this buffer's last step (a token)
         self.scalars: tuple | None = None  # (settings, {count: host scalars}) of the last masked update
         self.eager_s = 0.0  # wall time of its eager steps on the CPU under backend="auto" (the backends' tiering)
-        if any(g is not None for g in map(_GRAD, self.params)):
-            every = all(g is not None for g in map(_GRAD, self.params)) and self.align == 1 and not self.staged
-            self.ensure_grad(filled=not every)  # (every gradient copied in: nothing to zero first)
-            self.gather_grads([i for i, p in enumerate(self.params) if p.grad is not None])
+        self.fused = None  # the fused backend's step tensors and per-parameter state views (dml_optim.fused)
+        self.pending: list | None = None  # this step's gradients read in place (fused backend), else None
+        # (gradients the parameters already have stay where they are: the first step reads or gathers them)
 
     # -- layout --------------------------------------------------------------------
 
@@ -325,9 +329,24 @@ class FlatBuffer:
         """Parameters whose ``.data`` no longer is their slice of the buffer."""
         if self.staged:
             return []
+        with _FAST_ATTRIBUTES():  # (three C-level passes when nothing moved, the common case)
+            if (list(map(_DATA_PTR, self.params)) == self.ptrs and list(map(_SHAPE, self.params)) == self.shapes
+                    and all(map(_IS_CONTIGUOUS, self.params))):
+                return []
         return [i for i, (p, a, b, shape) in enumerate(zip(self.params, map(_DATA_PTR, self.params), self.ptrs,
                                                               self.shapes))
                 if a != b or not p.is_contiguous() or p.shape != shape]  # (a reshape keeps the pointer)
+
+    def plain_grads(self, indices: Sequence[int]) -> bool:
+        """The gradients of parameters ``indices`` are dense tensors (no subclass) with their parameters'
+        shapes, dtype and device (C-level passes; a parameter-by-parameter check names any other case)."""
+        if not indices or self.staged:
+            return not indices
+        grads = [self.params[i].grad for i in indices]
+        with _FAST_ATTRIBUTES():
+            return (all(t is torch.Tensor for t in map(type, grads)) and not any(map(_IS_SPARSE, grads))
+                    and list(map(_SHAPE, grads)) == [self.shapes[i] for i in indices]
+                    and set(map(_DTYPE, grads)) == {self.dtype} and set(map(_DEVICE, grads)) == {self.device})
 
     def diagnose(self) -> Binding:
         """Per-parameter look at what changed (only called when :meth:`check` is False)."""

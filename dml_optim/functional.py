@@ -79,6 +79,7 @@ __all__ = [
     "adam_coefficients",
     "dml_adam_coefficients",
     "adamw_coefficients",
+    "epsilon_before_correction",
     "MOMENTUM_MODES",
     "check_hyperparameter",
     "check_float_tensor",
@@ -289,6 +290,14 @@ def adamw_coefficients(lr: Scalar, T: Scalar, *, beta1: float, beta2: float, eps
     root = _sqrt(_one_minus_pow(beta2, T))
     decay = 1 - lr * weight_decay if isinstance(weight_decay, torch.Tensor) or weight_decay else 1.0
     return {"step_size": _div(lr * root, _one_minus_pow(beta1, T)), "epsilon": eps * root, "decay": decay}
+
+
+def epsilon_before_correction(epsilon: float, beta: float, T: int) -> float:
+    """torch's Adam ``eps`` (added after the bias correction) that places ``epsilon`` before it, as ONNX
+    and DirectML do: ``epsilon / sqrt(1 - beta**T)``, since
+    ``sqrt(H) / sqrt(1 - beta**T) + eps = (sqrt(H) + epsilon) / sqrt(1 - beta**T)``
+    (the fused backend's mapping onto ``torch._fused_adam_``; ``beta < 1``, ``T >= 1``)."""
+    return epsilon / math.sqrt(1 - beta**T)
 
 
 def dml_adam_coefficients(learning_rate: Scalar, T: Scalar, *, beta1: float, beta2: float) -> dict[str, Scalar]:

@@ -44,8 +44,9 @@ __all__ = [
 
 #: ``state_bits=``: full-precision states (None), or 8-bit / 4-bit block-quantized ones (dml_optim.quant).
 STATE_BITS = (None, 8, 4)
-#: ``backend=``: the eager op chain, the torch.compile'd kernel, or the choice by size and device.
-BACKENDS = ("auto", "eager", "compiled")
+#: ``backend=``: the eager op chain, the torch.compile'd kernel, torch's fused CPU kernel of the same rule,
+#: or the choice by device, settings and size.
+BACKENDS = ("auto", "eager", "compiled", "fused")
 #: ``nonfinite=``: what a step does with inf/NaN gradients.
 NONFINITE_MODES = ("propagate", "skip", "raise")
 #: ``checks=``: how much of the parameter/gradient binding a step re-checks (see ``FlatOptimizer``).
@@ -82,7 +83,7 @@ class OptimizerOptions(TypedDict, total=False):
     """The keyword options every optimizer accepts after its hyperparameters.
 
     Per group (also accepted in ``add_param_group`` dicts): ``backend``
-    (``"auto"``, ``"eager"``, ``"compiled"``), ``state_dtype``, ``state_bits``
+    (``"auto"``, ``"eager"``, ``"compiled"``, ``"fused"``), ``state_dtype``, ``state_bits``
     (None, 8 or 4: block-quantized states),
     ``compute_dtype``, ``master_weights``, ``kahan``, ``nonfinite``
     (``"propagate"``, ``"skip"``, ``"raise"``), ``capturable``.  Optimizer-wide:

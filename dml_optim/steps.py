@@ -19,6 +19,7 @@ parameters stepped together (a class keeps one identity).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -118,19 +119,26 @@ class StepCounter:
                 c.active = True
             self.merge()  # runs that stepped apart and are equal again are one class
             return
+        # the runs of equal activity (C-level groupby), cut at the classes' bounds
+        cuts, position = [], 0
+        for flag, run in itertools.groupby(active):
+            position += sum(1 for _ in run)
+            cuts.append((position, bool(flag)))
         out: list[StepClass] = []
+        k = 0
         for c in self.classes:
             first_run = True
             start = c.first
-            for i in range(c.first + 1, c.stop + 1):
-                if i == c.stop or active[i] != active[start]:
-                    flag = bool(active[start])
-                    # every run its own counter: a kernel advances the counter of the run it updates, and
-                    # runs left apart (no re-pack) are updated one at a time
-                    tensor = c.tensor if first_run or c.tensor is None else c.tensor.clone()
-                    first_run = False
-                    out.append(StepClass(start, i, c.count, c.key, tensor, flag))
-                    start = i
+            while start < c.stop:
+                while cuts[k][0] <= start:
+                    k += 1
+                stop = min(cuts[k][0], c.stop)
+                # every run its own counter: a kernel advances the counter of the run it updates, and
+                # runs left apart (no re-pack) are updated one at a time
+                tensor = c.tensor if first_run or c.tensor is None else c.tensor.clone()
+                first_run = False
+                out.append(StepClass(start, stop, c.count, c.key, tensor, cuts[k][1]))
+                start = stop
         self.classes = out
         self.merge()
 

@@ -102,3 +102,10 @@ class Adagrad(FlatOptimizer):
     @staticmethod
     def rule(x, g, h, *, scratch, **scalars):
         F.adagrad_(x, g, h, scratch=scratch[0], scratch2=scratch[1], **scalars)
+
+    @classmethod
+    def fused_kernel(cls, hyper, count):
+        # torch.optim.Adagrad: lr / (1 + (step - 1) * lr_decay) with step = T + 1
+        return "_fused_adagrad_", dict(lr=hyper["lr"], lr_decay=hyper["decay_factor"],
+                                       weight_decay=hyper["norm_coefficient"], eps=hyper["epsilon"],
+                                       maximize=hyper["maximize"])

@@ -120,3 +120,13 @@ class Adam(FlatOptimizer):
     @staticmethod
     def rule(x, g, v, h, *, scratch, **scalars):
         F.adam_(x, g, v, h, scratch=scratch[0], scratch2=scratch[1], **scalars)
+
+    @classmethod
+    def fused_kernel(cls, hyper, count):
+        # torch.optim.Adam's kernel adds eps after the bias correction: eps / sqrt(1 - beta**T) puts it before
+        if hyper["norm_coefficient_post"] != 0:
+            return None
+        return "_fused_adam_", dict(lr=hyper["lr"], beta1=hyper["alpha"], beta2=hyper["beta"],
+                                    weight_decay=hyper["norm_coefficient"],
+                                    eps=F.epsilon_before_correction(hyper["epsilon"], hyper["beta"], count + 1),
+                                    amsgrad=False, maximize=False)

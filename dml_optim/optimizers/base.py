@@ -137,6 +137,13 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         raise NotImplementedError
 
     @classmethod
+    def fused_kernel(cls, hyper, count: int) -> tuple[str, dict[str, Any]] | None:
+        """torch's fused CPU kernel that computes :meth:`rule` after ``count`` completed steps: its name in
+        ``torch`` and its keyword arguments (the step tensors it reads hold ``count + 1``), or None where
+        none does (:mod:`dml_optim.fused`)."""
+        return None
+
+    @classmethod
     def scratch_count(cls, hyper, gated: bool) -> int:
         """Full-size scratch tensors the eager rule needs."""
         return 1
@@ -334,7 +341,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
             scale = getattr(self, "grad_scale", None)
             self.step_scaled(torch.reciprocal(scale.float()) if scale is not None else None, found_inf=found_inf)
             return loss
-        work = self._prepare()
+        work = self._prepare(in_place=True)
         self._raise_if_nonfinite([flat for group, flat in work if group["nonfinite"] == "raise"])
         finite = self._all_finite([flat for group, flat in work if group["nonfinite"] == "skip"])
         self._run(work, lambda group, flat: finite.to(flat.device) if group["nonfinite"] == "skip" else None)

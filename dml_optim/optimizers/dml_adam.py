@@ -109,6 +109,12 @@ class DmlAdam(FlatOptimizer):
     def rule(x, g, m, v, *, scratch, **scalars):
         F.adam_(x, g, m, v, scratch=scratch[0], **scalars)
 
+    @classmethod
+    def fused_kernel(cls, hyper, count):
+        return "_fused_adam_", dict(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], weight_decay=0.0,
+                                    eps=F.epsilon_before_correction(hyper["epsilon"], hyper["beta2"], count + 1),
+                                    amsgrad=False, maximize=False)
+
     def dml_descriptors(self) -> list[dict[str, Any]]:
         """The ADAM_OPTIMIZER descriptor of every flat buffer, in the JSON form of
         ``dml-optim validate`` (in-place bindings included), each validated.

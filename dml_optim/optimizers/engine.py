@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from dml_optim.flat import FlatBuffer, describe_param
+from dml_optim.fused import run as run_fused
 from dml_optim.steps import StepClass
 from dml_optim.options import CHUNK_ELEMENTS, LOW_PRECISION_DTYPES
 from dml_optim.quant import QuantizedState, format_for
@@ -43,6 +44,9 @@ __all__ = ["EngineMixin", "MASKED_DEVICES"]
 #: (2 cores, 40 x 16k parameters with changing None patterns, AdamW: per-element gathers made the masked
 #: kernel 5.7 ms a step; 4.2M elements at two counts: 3.5 ms masked, 1.7 ms as two eager updates).
 MASKED_DEVICES = ("privateuseone", "cuda")
+
+#: The class slot of a planned update that runs torch's fused kernel (:mod:`dml_optim.fused`).
+FUSED = "fused"
 
 #: The largest finite value of each compute dtype (``torch.finfo`` is not free on every step).
 _LIMITS: dict[torch.dtype, float] = {}
@@ -166,12 +170,22 @@ class EngineMixin:
 
     def _run(self, work, gate: Callable[[dict, FlatBuffer], torch.Tensor | None]) -> None:
         """Plan every class update (checks and host coefficients), then commit them."""
-        from dml_optim.backends import compiles, masked_runner, runner_for
+        from dml_optim.backends import compiles, fuses, masked_runner, runner_for
 
         cls = type(self)
         planned = []
         for group, flat in work:
             finite = gate(group, flat)
+            if finite is None and fuses(self, group, flat):  # torch's fused kernel, over lists of ranges
+                calls = self._fused_plan(group, flat)
+                if calls is not None:
+                    flat.scratch = []
+                    planned.append((group, flat, FUSED, None, None, None, calls))
+                    continue
+            if flat.pending is not None:  # (a count the fused kernel cannot take: the gradients are gathered)
+                foreign = [i for i, (g, v) in enumerate(zip(flat.pending, flat.grad_views)) if g is not None and g is not v]
+                flat.pending = None
+                flat.gather_grads(foreign)
             if finite is None and len(flat.counter.classes) > 1 and self._masks(group, flat):  # one update, all of it
                 runner = masked_runner(self, group, flat)
                 self._ensure_scratch(group, flat, True, runner is not None or compiles(self, group, flat))
@@ -190,6 +204,32 @@ class EngineMixin:
                         self._check_range(group, flat, scalars)
                 planned.append((group, flat, c, finite, runner, key, scalars))
         self._commit(work, planned)
+
+    def _fused_plan(self, group, flat: FlatBuffer):
+        """The kernel calls of a fused step of ``flat`` (:func:`dml_optim.fused.plan`), after the same step-limit
+        and range checks as the other paths (the rule's host scalars of each count, kept per settings), or None
+        when a count rules the kernel out."""
+        from dml_optim.fused import plan
+
+        calls = plan(self, group, flat, flat.pending)
+        if calls is None:
+            return None
+        cls = type(self)
+        checked = flat.fused.checked  # [settings, lo, hi]: the counts lo..hi passed under these settings
+        if checked[0] is not flat.settings:
+            checked[:] = [flat.settings, 0, -1]
+        for c in flat.counter.classes:
+            n = c.count
+            if c.active and not checked[1] <= n <= checked[2]:  # (the constants were checked with the settings)
+                self._check_step_limit(n)
+                self._check_range(group, flat, cls.coefficients(group, n + cls.step_offset))
+                if n == checked[2] + 1:  # (counts advance by one a step: the range grows at its top)
+                    checked[2] = n
+                elif n == checked[1] - 1:
+                    checked[1] = n
+                elif checked[2] < checked[1]:
+                    checked[1] = checked[2] = n
+        return calls
 
     def _several_counts(self, group, flat: FlatBuffer) -> bool:
         """The parameters of ``flat`` with a gradient have two or more step counts, all known on the host,
@@ -275,23 +315,28 @@ class EngineMixin:
         done = 0
         try:
             for group, flat, c, finite, runner, key, scalars in planned:
-                if c is None:  # one masked update of the whole buffer
+                if c is FUSED:  # torch's fused kernel: the calls planned
+                    run_fused(scalars)
+                elif c is None:  # one masked update of the whole buffer
                     if runner is None or not runner.masked(group, flat, scalars):
                         self._apply_masked(group, flat, scalars)
                     for k in flat.counter.classes:
                         if k.active:
                             k.tensor = None  # the host count advances; a stale device mirror is dropped
                 elif runner is None or not runner(group, flat, c, finite, key):
-                    timed = group["backend"] == "auto" and tiers(flat.device.type, flat.numel, flat.bits is not None)
+                    timed = group["backend"] in ("auto", "fused") and tiers(flat.device.type, flat.numel, flat.bits is not None)
                     start = time.perf_counter() if timed else 0.0
                     self._apply_eager(group, flat, c, finite, scalars)
                     if timed:  # (CPU ops are synchronous: this is the step's own time)
                         flat.eager_s += time.perf_counter() - start
                 done += 1
             for _, flat in work:
+                flat.pending = None
                 if flat.staged:
                     flat.stage_out()
         except BaseException as exc:
+            for _, flat in work:
+                flat.pending = None
             if snapshot is not None:
                 for dst, src in snapshot:
                     dst.copy_(src)

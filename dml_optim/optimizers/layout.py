@@ -121,11 +121,12 @@ class LayoutMixin:
         return any(flat.precision is None and any(self._bits_of(group, p) != flat.bits for p in flat.params)
                    for flat in layout.buffers)
 
-    def _prepare(self) -> list[tuple[dict, FlatBuffer]]:
+    def _prepare(self, in_place: bool = False) -> list[tuple[dict, FlatBuffer]]:
         """Validate every group, then bring bindings up to date and allocate states.
 
         Raises before any parameter or state is written.  Returns the buffers
-        that have at least one gradient.
+        that have at least one gradient.  ``in_place``: a plain step follows, so a buffer that runs torch's
+        fused kernel may read fresh gradients where they are (``flat.pending``) instead of gathering them.
         """
         plans = [self._plan(gi, group) for gi, group in enumerate(self.param_groups)]
         work = []
@@ -139,7 +140,7 @@ class LayoutMixin:
                 bindings = plan.bindings
             for flat, binding in zip(layout.buffers, bindings):
                 flat.settings = layout.checked
-                active = self._bind(group, flat, binding)
+                active = self._bind(group, flat, binding, in_place)
                 if active is not None and not any(active):
                     continue
                 self._ensure_state(group, flat)
@@ -213,8 +214,9 @@ class LayoutMixin:
                 bindings.append(None)
                 continue
             binding = flat.diagnose()
-            for i in binding.foreign:
-                self._check_grad(flat, i, gi)
+            if not flat.plain_grads(binding.foreign):  # (one C-level pass per property; per parameter otherwise)
+                for i in binding.foreign:
+                    self._check_grad(flat, i, gi)
             for i in binding.rebound:
                 repack |= self._check_rebound(flat, i, gi)
             bindings.append(binding)
@@ -253,15 +255,23 @@ class LayoutMixin:
             self._check_param(p, flat.indices[i], gi)
         return t.dtype != flat.dtype or t.device != flat.device or not flat.owned
 
-    def _bind(self, group: dict[str, Any], flat: FlatBuffer, binding: Binding | None) -> list[bool] | None:
+    def _bind(self, group: dict[str, Any], flat: FlatBuffer, binding: Binding | None,
+              in_place: bool = False) -> list[bool] | None:
         """Adopt re-bound parameters, order the step classes, gather foreign gradients.
 
-        A buffer whose parameters with a gradient are at several step counts known on the host (the
-        engine's ``_several_counts``) keeps its order whatever the ``None`` gradients: it steps in one
-        masked update, or once per run; otherwise parameters that step together are made contiguous
-        first (a re-pack, when ``None`` gradients left a class in pieces), so that the rule runs once
-        per step count.  Returns which parameters have a gradient (None: all of them).
+        A buffer that runs torch's fused kernel, or whose parameters with a gradient are at several step
+        counts known on the host (the engine's ``_several_counts``), keeps its order whatever the ``None``
+        gradients: it steps once per kernel over lists of runs, in one masked update, or once per run;
+        otherwise parameters that step together are made contiguous first (a re-pack, when ``None``
+        gradients left a class in pieces), so that the rule runs once per step count.  With ``in_place``
+        a fused buffer reads fresh gradients where they are (:func:`dml_optim.fused.reads_in_place`:
+        ``flat.pending``) instead of gathering them.  Returns which parameters have a gradient (None:
+        all of them).
         """
+        from dml_optim.backends import fuses
+        from dml_optim.fused import reads_in_place
+
+        flat.pending = None
         active = foreign = None
         if binding is not None:
             if binding.rebound:
@@ -272,11 +282,13 @@ class LayoutMixin:
         counter = flat.counter
         if active is not None and not any(active):
             return active
+        fused = fuses(self, group, flat)
         if active is None and len(counter.classes) == 1:
             counter.classes[0].active = True
         else:
             counter.split(active)
-            order = None if group["nonfinite"] != "skip" and self._several_counts(group, flat) else counter.order()
+            keep = fused or group["nonfinite"] != "skip" and self._several_counts(group, flat)
+            order = None if keep else counter.order()
             if order is not None and flat.owned:
                 flat.permute(order)
                 where = {i: pos for pos, i in enumerate(order)}
@@ -286,11 +298,16 @@ class LayoutMixin:
                     for i, a in enumerate(active):
                         permuted[where[i]] = a
                     active = permuted
+        if fused and foreign and in_place and group["nonfinite"] == "propagate":
+            grads = list(map(_GRAD, flat.params))
+            if reads_in_place(flat, grads, active):
+                flat.pending = grads  # (read by this step's kernels; p.grad stays the caller's, as in torch.optim)
+                return active
         if active is not None and foreign and len(foreign) == sum(active) and flat.gather_all(active):
             return active  # (one op: every gradient gathered, every None slot zeroed)
         if foreign:
             flat.gather_grads(foreign)
-        if active is not None:  # slots of None gradients may hold an old gradient (inf included)
+        if active is not None:  # slots of None gradients may hold an old gradient (inf included; clipping reads them)
             inactive = [i for c in counter.classes if not c.active for i in range(c.first, c.stop)]
             for first, stop in _runs(inactive):
                 a, b = flat.segment(first, stop)
@@ -323,7 +340,7 @@ class LayoutMixin:
         spent = max((flat.eager_s for flat in old), default=0.0)
         for flat in layout.buffers:  # (the group's eager time so far counts for backend="auto"'s tiering)
             flat.eager_s = spent
-        for flat in layout.buffers:  # (the new buffers gathered the existing gradients when packing)
+        for flat in layout.buffers:  # (the next step reads or gathers the gradients the parameters have)
             if not any(gi_ in carried for gi_ in flat.indices):
                 continue
             self._ensure_state(group, flat)

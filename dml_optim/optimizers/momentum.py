@@ -95,3 +95,13 @@ class Momentum(FlatOptimizer):
     @staticmethod
     def rule(x, g, v, *, scratch, **scalars):
         F.momentum_(x, g, v, scratch=scratch[0], **scalars)
+
+    @classmethod
+    def fused_kernel(cls, hyper, count):
+        # torch.optim.SGD's kernel: buffer = momentum * buffer + (1 - dampening) * G_reg; ONNX's first step
+        # (beta_adj = 1) is dampening 0.  alpha = 0 keeps ONNX's buffer (beta * G_reg): torch keeps none
+        if hyper["alpha"] == 0:
+            return None
+        return "_fused_sgd_", dict(weight_decay=hyper["norm_coefficient"], momentum=hyper["alpha"], lr=hyper["lr"],
+                                   dampening=1.0 - hyper["beta"] if count > 0 else 0.0,
+                                   nesterov=hyper["mode"] == "nesterov", maximize=False, is_first_step=False)

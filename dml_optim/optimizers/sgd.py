@@ -98,3 +98,10 @@ class SGD(FlatOptimizer):
     @staticmethod
     def rule(x, g, v=None, *, scratch, **scalars):
         F.momentum_(x, g, v, scratch=scratch[0], **scalars)
+
+    @classmethod
+    def fused_kernel(cls, hyper, count):
+        # the first buffer step is the gradient (T == 0, as the rule decides it): dampening 0 into a zero buffer
+        return "_fused_sgd_", dict(weight_decay=hyper["weight_decay"], momentum=hyper["momentum"], lr=hyper["lr"],
+                                   dampening=hyper["dampening"] if count > 0 else 0.0, nesterov=hyper["nesterov"],
+                                   maximize=hyper["maximize"], is_first_step=False)

@@ -1,0 +1,249 @@
+"""The ``fused`` backend: torch's own fused CPU kernels, called on the flat buffers.
+
+torch has hand-vectorized CPU kernels for its Adam, AdamW, Adagrad and SGD
+(``torch._fused_adam_``, ``_fused_adamw_``, ``_fused_adagrad_``,
+``_fused_sgd_``, torch >= 2.4): one parallel pass over memory per tensor, a
+few microseconds of overhead per call.  Each of our rules *is* one of those
+computations under a mapping of its hyperparameters, which the optimizer
+class declares beside its coefficients (``fused_kernel(hyper, count)``: the
+kernel's name and its keyword arguments after ``count`` completed steps, or
+None where no kernel computes the rule; docs/design.md §2):
+
+* ``AdamW``: ``_fused_adamw_``, torch's own keywords; ``Adagrad``
+  (T = completed steps, torch's ``step - 1``): ``_fused_adagrad_`` with
+  ``lr_decay = decay_factor``, ``weight_decay = norm_coefficient``;
+* ``SGD`` and ONNX ``Momentum``: ``_fused_sgd_`` with ``dampening = 1 - beta``,
+  and 0 at the first step (ONNX's ``beta_adj = 1``, which torch's first step,
+  a copy of the gradient into a zero buffer, equals);
+* ONNX ``Adam`` and DirectML's ``ADAM_OPTIMIZER``: ``_fused_adam_`` with
+  ``eps = epsilon / sqrt(1 - beta**T)``.  torch adds its epsilon after the
+  bias correction (``sqrt(V) / sqrt(1 - beta**T) + eps``); that epsilon puts
+  ours before it: ``(sqrt(V) + epsilon) / sqrt(1 - beta**T)``.
+
+The update math is still written once (:mod:`dml_optim.functional`, what
+every other backend runs); this backend is the equivalence of each rule with
+torch's kernel, and the tests hold its results to the same float64 references
+and torch twins as the others.  Rounding differs from the eager chain by
+units in the last place (one pass in the compute dtype, no intermediate
+stores), as the compiled kernel's does.
+
+A step calls a kernel once per distinct set of keyword arguments: once for
+AdamW, Adagrad and SGD's later steps whatever the step counts (each tensor of
+the lists carries its own count), once per distinct count for the Adams
+(their ``eps`` depends on it), at most twice for Momentum.  The tensor lists
+are the whole flat buffer (one class of parameters), one range per run of
+parameters at one count (``None`` gradients, unfreezing: no re-pack, no
+masked update), or, when the gradients are fresh tensors of their own (after
+``zero_grad(set_to_none=True)``), the parameters themselves with those
+gradients, read where they are: no copy into the flat gradient buffer, which
+torch.optim does not make either (:func:`reads_in_place`).
+
+Where it runs: the CPU (torch's CUDA kernels exist for some rules, but the
+compiled backend beats them there), parameters in float32 or float64 with
+states and arithmetic in the same dtype (no master weights, Kahan summation or
+quantized states: those are the compiled and eager backends' precision
+modes), host step counts below 2**24 (torch's kernels read the count as a
+float32), steps that are not gated (``nonfinite="skip"``, loss scaling and
+``capturable`` keep their counts on the device).  ``backend="auto"`` picks it
+for every such buffer on the CPU; ``backend="fused"`` asks for it and warns,
+once, where it cannot run.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.utils import _python_dispatch
+
+__all__ = ["FusedFallbackWarning", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS", "unsupported", "reads_in_place",
+           "plan", "run", "warn_fallback"]
+
+
+class FusedFallbackWarning(RuntimeWarning):
+    """``backend="fused"`` cannot run torch's fused kernel for a buffer; ``auto``'s choice runs instead."""
+
+
+#: torch's fused kernels: how many state lists each takes (missing ones are empty: AdamW without AMSGrad
+#: has no ``max_exp_avg_sqs``, SGD without momentum no buffer) and whether step-count tensors follow.
+KERNELS: dict[str, tuple[int, bool]] = {
+    "_fused_adam_": (3, True),
+    "_fused_adamw_": (3, True),
+    "_fused_adagrad_": (1, True),
+    "_fused_sgd_": (1, False),
+}
+#: Step numbers (completed steps + 1) are handed to torch's kernels in float32 tensors: exact below 2**24.
+MAX_COUNT = (1 << 24) - 2
+#: Fresh gradients (tensors of their own) are read in place, parameter by parameter, when the parameters
+#: with a gradient average this many elements; smaller ones are gathered into the flat buffer first (one
+#: ``cat``), since a kernel call costs about 2 us per tensor (2 cores: 200 x 1,024 elements, AdamW: 390 us as
+#: 200 tensors, 130 us gathered and stepped as one).
+LIST_MIN_ELEMENTS = 1 << 14
+_DTYPES = (torch.float32, torch.float64)
+_WARNED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def _available(op: str) -> bool:
+    return callable(getattr(torch, op, None))
+
+
+def unsupported(opt, group: dict[str, Any], flat) -> str | None:
+    """Why ``flat`` cannot run torch's fused kernel under ``group``'s settings, or None when it can.
+
+    Static: what the settings and the buffer allow (a step's counts are checked by :func:`plan`)."""
+    cls = type(opt)
+    if flat.device.type != "cpu":
+        return f"torch's fused kernels run on the CPU here, the buffer is on {flat.device}"
+    if flat.dtype not in _DTYPES:
+        return f"{flat.dtype} parameters (torch's kernel rounds them differently from the rule's ops; float32 and float64 only)"
+    if flat.bits is not None or group["master_weights"] or group["kahan"]:
+        return "quantized states, master weights and Kahan summation are the compiled and eager backends' precision modes"
+    if opt._state_dtype(group, flat.dtype) != flat.dtype or opt._compute_dtype(group, flat.dtype) != flat.dtype:
+        return "state_dtype or compute_dtype differs from the parameters' dtype"
+    if group["capturable"]:
+        return "capturable=True keeps the step counts on the device"
+    kernel = cls.fused_kernel(group, 0)
+    if kernel is None:
+        return f"{cls.__name__}'s rule with these hyperparameters is not one of torch's fused kernels"
+    if not _available(kernel[0]):
+        return f"torch {torch.__version__} has no torch.{kernel[0]}"
+    return None
+
+
+def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
+    """Whether a fused step reads ``grads`` (each parameter's ``.grad``, or None) where they are instead of
+    gathering them into the flat gradient buffer: every one contiguous, and the parameters with a gradient
+    large enough on average (:data:`LIST_MIN_ELEMENTS`) for a call per tensor to cost less than a copy."""
+    if flat.staged:
+        return False
+    present = [i for i, g in enumerate(grads) if g is not None and (active is None or active[i])]
+    if not present or sum(flat.sizes[i] for i in present) < LIST_MIN_ELEMENTS * len(present):
+        return False
+    return all(grads[i].is_contiguous() for i in present)
+
+
+class _Cache:
+    """Per buffer: float32 step-number tensors (0-d views of one tensor: as many as there are parameters,
+    the most distinct counts a step can have) and per-parameter views of the states, kept while the
+    layout and the state tensors stay the same."""
+
+    __slots__ = ("offsets", "steps", "step_views", "states", "whole", "checked")
+
+    def __init__(self, flat):
+        self.offsets = flat.offsets
+        self.steps = torch.zeros(len(flat.params), dtype=torch.float32)
+        self.step_views = self.steps.unbind(0)
+        self.states: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.whole: tuple | None = None  # (operands, {op: argument lists}) of a step of the whole buffer
+        self.checked: list = [None, 0, -1]  # [settings token, lo, hi]: counts whose scalars passed the range check
+
+    def whole_arguments(self, flat, names: tuple[str, ...], op: str) -> list:
+        """The argument lists of a kernel call over the whole buffer (kept while its tensors are the same)."""
+        operands = (flat.data, flat.grad, *[flat.states[n] for n in names])
+        whole = self.whole
+        if whole is None or len(whole[0]) != len(operands) or not all(map(operator.is_, whole[0], operands)):
+            whole = self.whole = (operands, {})
+        args = whole[1].get(op)
+        if args is None:
+            n_states, has_steps = KERNELS[op]
+            states = [[t] for t in operands[2:]] + [[] for _ in range(n_states - len(names))]
+            args = whole[1][op] = [[flat.data], [flat.grad], *states] + ([[self.step_views[0]]] if has_steps else [])
+        return args
+
+    def state_views(self, flat, name: str) -> list[torch.Tensor]:
+        tensor = flat.states[name]
+        cached = self.states.get(name)
+        if cached is None or cached[0] is not tensor:
+            cached = self.states[name] = (tensor, flat.views(tensor))
+        return cached[1]
+
+
+def _cache(flat) -> _Cache:
+    cache = flat.fused
+    if cache is None or cache.offsets is not flat.offsets:
+        cache = flat.fused = _Cache(flat)
+    return cache
+
+
+def plan(opt, group: dict[str, Any], flat, grads: list | None) -> tuple | None:
+    """The kernel calls of one step of ``flat``, or None when a count rules them out.
+
+    ``grads``: per parameter, the gradient to read in place (None: no gradient), or None when the
+    gradients are in the flat buffer.  Only active classes (parameters with a gradient) step.  Nothing is
+    written here: the result is ``(step numbers, calls)``, the step tensors' values (written by
+    :func:`run` first, in one op) and ``(kernel, argument lists, keyword arguments)`` per call.
+    """
+    cls = type(opt)
+    names = cls.group_state_names(group)
+    cache = _cache(flat)
+    classes = flat.counter.classes
+    if grads is None and len(classes) == 1:  # the steady step: one call over the whole buffer
+        c = classes[0]
+        if not c.active or c.count is None or c.count > MAX_COUNT:
+            return None
+        op, kwargs = cls.fused_kernel(group, c.count)
+        return (cache, [c.count + 1.0]), [(getattr(torch, op), cache.whole_arguments(flat, names, op), kwargs)]
+    classes = [c for c in classes if c.active]
+    if not classes or any(c.count is None or c.count > MAX_COUNT for c in classes):
+        return None
+    numbers: list[float] = []  # the step number of each distinct count, in the order of the step tensors
+    steps: dict[int, torch.Tensor] = {}
+    calls: dict[tuple, tuple[list, list]] = {}  # (kernel, keyword items) -> (classes, their step tensors)
+    keys: dict[int, tuple] = {}
+    for c in classes:
+        step = steps.get(c.count)
+        if step is None:  # a new count: a step tensor holding its step number, and its kernel's arguments
+            step = steps[c.count] = cache.step_views[len(numbers)]
+            numbers.append(c.count + 1.0)
+            op, kwargs = cls.fused_kernel(group, c.count)
+            keys[c.count] = (op, *kwargs.items())
+        key = keys[c.count]
+        entry = calls.get(key)
+        if entry is None:
+            entry = calls[key] = ([], [])
+        entry[0].append(c)
+        entry[1].append(step)
+    out = []
+    for (op, *items), (members, member_steps) in calls.items():
+        if grads is not None:  # parameter by parameter: the parameters, the gradients read in place
+            index = [i for c in members for i in range(c.first, c.stop)]
+            pick = operator.itemgetter(*index) if len(index) > 1 else (lambda seq, i=index[0]: (seq[i],))
+            operands = [list(pick(flat.params)), list(pick(grads))]
+            operands += [list(pick(cache.state_views(flat, n))) for n in names]
+            step_list = [t for c, t in zip(members, member_steps) for _ in range(c.stop - c.first)]
+        else:  # run by run: ranges of the flat buffers
+            bounds = [flat.segment(c.first, c.stop) for c in members]
+            operands = [[t[a:b] for a, b in bounds] for t in [flat.data, flat.grad] + [flat.states[n] for n in names]]
+            step_list = member_steps
+        n_states, has_steps = KERNELS[op]
+        args = operands + [[] for _ in range(n_states - len(names))] + ([step_list] if has_steps else [])
+        out.append((getattr(torch, op), args, dict(items)))
+    return (cache, numbers), out
+
+
+def run(planned: tuple) -> None:
+    """Run :func:`plan`'s calls (the step numbers first, in one op)."""
+    (cache, numbers), calls = planned
+    if len(numbers) == 1:
+        cache.step_views[0].fill_(numbers[0])
+    else:
+        cache.steps[: len(numbers)].copy_(torch.tensor(numbers, dtype=torch.float32))
+    for fn, args, kwargs in calls:
+        fn(*args, **kwargs)
+
+
+def warn_fallback(opt, reason: str) -> None:
+    """``backend="fused"`` cannot run a buffer of ``opt``: warn once per optimizer."""
+    if opt in _WARNED:
+        return
+    _WARNED[opt] = reason
+    warnings.warn(f"dml_optim: {type(opt).__name__} cannot use the fused backend: {reason}; running what "
+                  "backend='auto' chooses instead", FusedFallbackWarning, stacklevel=5)
+
+
+def dispatch_mode_active() -> bool:
+    """A ``TorchDispatchMode`` is active (the step audit records what DirectML would run: the eager chain)."""
+    return _python_dispatch._get_current_dispatch_mode() is not None
