@@ -41,6 +41,7 @@ class of parameters that step together in pieces.
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -64,6 +65,12 @@ _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _IS_SPARSE = operator.attrgetter("is_sparse")
+#: How many tensors (and storage objects) hold a storage: ``torch._C._storage_Use_Count`` (torch >= 2.0), or
+#: None where this torch has none (``checks="refs"`` then scans every parameter, as ``"full"`` does).
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+#: The attributes the use counts stand for: a parameter class that overrides ``.grad`` or ``.data`` in Python
+#: can answer something no storage count shows, so its buffer is checked parameter by parameter (``"full"``).
+_TENSOR_GRAD, _TENSOR_DATA = torch.Tensor.grad, torch.Tensor.data
 
 
 # -- the buffer ----------------------------------------------------------------------------------
@@ -99,8 +106,12 @@ class FlatBuffer:
         shapes: each parameter's (local) shape when packed.
         device, dtype: of the parameters (their local shards, when staged).
         data: the flat parameter buffer (``p.data`` is a view of it, unless staged).
-        grad: the flat gradient buffer (None until the first gradient arrives).
-        grad_views: per-parameter views of ``grad`` (the objects ``p.grad`` is set to).
+        grad: the flat gradient buffer (None until the first gradient is gathered into it).
+        grad_refs: per parameter, a weak reference to the view of ``grad`` that ``p.grad`` was set to
+            (:meth:`grad_view`): weak, so that the view lives exactly as long as ``p.grad`` holds it, and
+            the count of tensors holding ``grad``'s storage drops when a gradient is re-bound.
+        uses: the counts of tensors holding the storages of ``data`` and ``grad`` when every parameter was
+            last verified bound to the buffer with its gradient (None: not in that state; see :meth:`check`).
         ptrs: ``p.data_ptr()`` of each parameter when last bound (binding checks).
         states: flat state buffers by name (allocated by the optimizer at its first step): tensors,
             or :class:`~dml_optim.quant.QuantizedState` in a quantized buffer.
@@ -114,7 +125,7 @@ class FlatBuffer:
     """
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
-                 "grad_views", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
+                 "grad_refs", "uses", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
                  "_owner", "settings", "eager_s", "scalars", "fused", "pending", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
@@ -133,7 +144,10 @@ class FlatBuffer:
         self.data = pack_values(locals_, self.numel, self.dtype, self.device, via_host and not self.staged,
                                 rebind=None if self.staged else self.params, offsets=self.offsets)
         self.grad: torch.Tensor | None = None
-        self.grad_views: list[torch.Tensor | None] = [None] * len(self.params)
+        self.grad_refs: list[weakref.ref | None] = [None] * len(self.params)
+        self.uses: tuple[int, int] | None = None
+        self._storages: tuple = ()
+        self.countable = all(type(p).grad is _TENSOR_GRAD and type(p).data is _TENSOR_DATA for p in self.params)
         self.ptrs = [] if self.staged else list(map(_DATA_PTR, self.params))
         self.states: dict[str, torch.Tensor] = {}
         self.master: torch.Tensor | None = None
@@ -148,6 +162,22 @@ class FlatBuffer:
         self.fused = None  # the fused backend's step tensors and per-parameter state views (dml_optim.fused)
         self.pending: list | None = None  # this step's gradients read in place (fused backend), else None
         # (gradients the parameters already have stay where they are: the first step reads or gathers them)
+
+    # -- copying and pickling ----------------------------------------------------------
+
+    #: Per-process bookkeeping a copy starts without: weak references to the gradient views handed out
+    #: (a copy's parameters hold copies of them), the storage use counts and their storage objects, and
+    #: the fused backend's cache (step tensors, views, the gradients read last).
+    _TRANSIENT = {"grad_refs": None, "uses": None, "_storages": (), "fused": None, "pending": None}
+
+    def __getstate__(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT
+                and hasattr(self, k)}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in {**self._TRANSIENT, **state}.items():
+            setattr(self, k, v)
+        self.grad_refs = [None] * len(self.params)
 
     # -- layout --------------------------------------------------------------------
 
@@ -220,8 +250,32 @@ class FlatBuffer:
             with torch.no_grad():
                 alloc = torch.zeros if filled else torch.empty
                 self.grad = alloc(self.numel, dtype=self.dtype, device=self.device)
-            self.grad_views = self.views(self.grad)
+            self.grad_refs = [None] * len(self.params)
         return self.grad
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s view of the flat gradient buffer: the one ``p.grad`` holds, or a new one."""
+        ref = self.grad_refs[i]
+        view = ref() if ref is not None else None
+        a = self.offsets[i]
+        if view is None or view.data_ptr() != self.grad.data_ptr() + a * self.grad.element_size():
+            # (none yet, or its .data was re-bound away: model.to() does that to the gradients it finds)
+            view = self.grad[a : a + self.sizes[i]].view(self.shapes[i])
+            self.grad_refs[i] = weakref.ref(view)
+        return view
+
+    def holds_grad(self, i: int, g) -> bool:
+        """``g`` is parameter ``i``'s view of the flat gradient buffer (the one :meth:`grad_view` made)."""
+        ref = self.grad_refs[i]
+        return g is not None and ref is not None and ref() is g
+
+    def _grads_ours(self) -> list[bool]:
+        """Per parameter: its ``.grad`` is its view of the flat gradient buffer, still pointing there."""
+        if self.grad is None:
+            return [False] * len(self.params)
+        base, size = self.grad.data_ptr(), self.grad.element_size()
+        return [g is not None and ref is not None and ref() is g and g.data_ptr() == base + a * size
+                for g, ref, a in zip(map(_GRAD, self.params), self.grad_refs, self.offsets)]
 
     def gather_grads(self, foreign: Sequence[int]) -> None:
         """Copy the gradients of parameters ``foreign`` into the flat buffer and re-point ``p.grad``
@@ -241,7 +295,7 @@ class FlatBuffer:
                     torch.cat(grads, out=self.grad[a:b])
             if not self.staged:
                 for i in foreign:
-                    self.params[i].grad = self.grad_views[i]
+                    self.params[i].grad = self.grad_view(i)
 
     def gather_all(self, active: Sequence[bool]) -> bool:
         """Gather every gradient and zero the slots of the parameters without one, in one ``cat``, when
@@ -259,15 +313,15 @@ class FlatBuffer:
             torch.cat([g if g is not None else zero.expand(n) for g, n in zip(grads, self.sizes)], out=self.grad)
         for i, a in enumerate(active):
             if a:
-                self.params[i].grad = self.grad_views[i]
+                self.params[i].grad = self.grad_view(i)
         return True
 
     def attach_grads(self) -> None:
         """Point every ``p.grad`` at its view of the flat gradient buffer (staged: no-op)."""
         self.ensure_grad()
         if not self.staged:
-            for p, view in zip(self.params, self.grad_views):
-                p.grad = view
+            for i, p in enumerate(self.params):
+                p.grad = self.grad_view(i)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Zero the gradients in one op (or set them to ``None``).
@@ -292,35 +346,69 @@ class FlatBuffer:
                 return
             self.ensure_grad()
         self.grad.zero_()
-        for p, g, view in zip(self.params, grads, self.grad_views):
-            if g is not None and g is not view:  # a None gradient stays None, as in torch.optim
-                p.grad = view
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is not None and not self.holds_grad(i, g):  # a None gradient stays None, as in torch.optim
+                p.grad = self.grad_view(i)
 
     # -- bindings -----------------------------------------------------------------------
 
-    def check(self, full: bool) -> bool:
+    def _use_counts(self) -> tuple[int, int] | None:
+        """How many tensors (and storage objects: ours adds one, constant) hold the storages of ``data``
+        and ``grad`` now (None without ``torch._C._storage_Use_Count`` or a gradient buffer)."""
+        if _USE_COUNT is None or self.grad is None:
+            return None
+        stored = self._storages
+        if not stored or stored[0] is not self.data or stored[1] is not self.grad:
+            stored = self._storages = (self.data, self.grad, self.data.untyped_storage()._cdata,
+                                       self.grad.untyped_storage()._cdata, self.data.untyped_storage(),
+                                       self.grad.untyped_storage())
+        return _USE_COUNT(stored[2]), _USE_COUNT(stored[3])
+
+    def record_uses(self) -> None:
+        """After binding: remember the storages' use counts if every parameter is bound to the buffer and
+        holds its gradient view (the state :meth:`check` then recognizes in O(1)); else forget them."""
+        bound = not self.staged and self.grad is not None and all(self._grads_ours())
+        self.uses = self._use_counts() if bound else None
+
+    def check(self, mode: str) -> bool:
         """True when nothing about the bindings changed since the last step (the fast path).
 
-        ``full``: compare every parameter's gradient identity and data pointer
-        in two C-level passes; otherwise only the first and last parameter's.
-        Staged buffers always re-read their shards, so only gradients are checked.
+        Every mode first compares the use counts of the ``data`` and ``grad`` storages with the ones
+        recorded when every parameter was last verified bound with its gradient (:meth:`record_uses`):
+        a parameter or gradient re-bound away from the buffer (``p.data = t``, ``model.to()``,
+        ``p.grad = t``, ``p.grad = None``, ``zero_grad(set_to_none=True)``, a bucket view, a
+        ``.grad.data = t``) drops a count, a new view of the buffer raises one; a change is diagnosed
+        parameter by parameter.  ``"refs"`` stops there: O(1) whatever the number of parameters
+        (a buffer of parameters whose class overrides ``.grad`` or ``.data`` in Python is checked as
+        ``"full"``: such an attribute can answer what no count shows).
+        ``"full"`` also compares every parameter's gradient identity and data pointer (two C-level
+        passes), which also sees a parameter re-bound to another place in the same buffer with nothing
+        else changing (``p1.data = p2.data``); ``"fast"`` compares the first and last parameter's.
+        Staged buffers always re-read their shards (never in the recorded state: diagnosed every step).
         """
-        params, views = self.params, self.grad_views
-        if self.grad is None:
+        if self.uses is None or self._use_counts() != self.uses:
             return False
-        if full:
+        if mode == "refs" and self.countable:
+            return True
+        params, refs = self.params, self.grad_refs
+        if mode != "fast":
             with _FAST_ATTRIBUTES():  # nn.Parameter's __torch_function__ lookup halves these passes' speed
-                if not all(map(operator.is_, map(_GRAD, params), views)):
+                if not all(ref() is g for g, ref in zip(map(_GRAD, params), refs)):
                     return False
-                return self.staged or list(map(_DATA_PTR, params)) == self.ptrs
+                return list(map(_DATA_PTR, params)) == self.ptrs
         ends = (0, len(params) - 1)
-        return all(params[i].grad is views[i] and (self.staged or params[i].data_ptr() == self.ptrs[i]) for i in ends)
+        return all(refs[i]() is params[i].grad and params[i].data_ptr() == self.ptrs[i] for i in ends)
 
-    def moved(self, full: bool) -> bool:
-        """Some parameter's ``.data`` may have left the buffer (every pointer, or the first and last)."""
+    def moved(self, mode: str) -> bool:
+        """Some parameter's ``.data`` may have left the buffer (``"refs"``: the data storage's use count,
+        when recorded; ``"full"``: every pointer; ``"fast"``: the first and last)."""
         if self.staged:
             return False
-        if full:
+        if mode == "refs" and self.uses is not None and self.countable:
+            counts = self._use_counts()
+            if counts is not None and counts[0] == self.uses[0]:
+                return False
+        if mode != "fast":
             with _FAST_ATTRIBUTES():
                 return list(map(_DATA_PTR, self.params)) != self.ptrs
         return any(self.params[i].data_ptr() != self.ptrs[i] for i in (0, len(self.params) - 1))
@@ -357,8 +445,7 @@ class FlatBuffer:
         rebound = self.rebound()
         home = _storage(self.grad) if self.grad is not None else None
         # model.to() re-binds the .data of the gradient objects we handed out: those are foreign too
-        foreign = [i for i, (g, v) in enumerate(zip(grads, self.grad_views))
-                   if g is not None and (g is not v or _storage(g) != home)]
+        foreign = [i for i, g in enumerate(grads) if g is not None and (not self.holds_grad(i, g) or _storage(g) != home)]
         return Binding(None if all(active) else active, foreign, rebound)
 
     def rebind_pointers(self) -> None:
@@ -461,8 +548,7 @@ class FlatBuffer:
             states = {k: repacked_state(v) for k, v in self.states.items()}
             master = repacked(self.master) if self.master is not None else None
             kahan = repacked(self.kahan) if self.kahan is not None else None
-        grads = list(map(_GRAD, self.params))
-        ours = [g is not None and g is v for g, v in zip(grads, self.grad_views)]  # foreign gradients stay where they are
+        ours = self._grads_ours()  # foreign gradients stay where they are
         self.params = [self.params[i] for i in order]
         self.indices = [self.indices[i] for i in order]
         self.shapes = [self.shapes[i] for i in order]
@@ -472,14 +558,12 @@ class FlatBuffer:
             for p, view in zip(self.params, self.views(self.data)):
                 p.data = view
             self.ptrs = list(map(_DATA_PTR, self.params))
-        if self.grad is not None:
-            self.grad_views = self.views(self.grad)
-            if not self.staged:
-                for p, mine, view in zip(self.params, [ours[i] for i in order], self.grad_views):
-                    if mine:
-                        p.grad = view
-        else:
-            self.grad_views = [None] * len(self.params)
+        self.grad_refs = [None] * len(self.params)
+        self.uses = None
+        if self.grad is not None and not self.staged:
+            for i, (p, mine) in enumerate(zip(self.params, [ours[i] for i in order])):
+                if mine:
+                    p.grad = self.grad_view(i)
         self.counter.permute(order)
 
 

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch
 
-__all__ = ["FusedFallbackWarning", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS", "unsupported", "reads_in_place",
+__all__ = ["FusedFallbackWarning", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS", "unsupported", "reads_in_place", "remember_read",
            "plan", "run", "warn_fallback"]
 
 
@@ -105,6 +105,8 @@ def unsupported(opt, group: dict[str, Any], flat) -> str | None:
         return "state_dtype or compute_dtype differs from the parameters' dtype"
     if group["capturable"]:
         return "capturable=True keeps the step counts on the device"
+    if group["nonfinite"] == "skip":
+        return "nonfinite='skip' gates every step on the device (its counts live there)"
     kernel = cls.fused_kernel(group, 0)
     if kernel is None:
         return f"{cls.__name__}'s rule with these hyperparameters is not one of torch's fused kernels"
@@ -115,14 +117,32 @@ def unsupported(opt, group: dict[str, Any], flat) -> str | None:
 
 def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
     """Whether a fused step reads ``grads`` (each parameter's ``.grad``, or None) where they are instead of
-    gathering them into the flat gradient buffer: every one contiguous, and the parameters with a gradient
-    large enough on average (:data:`LIST_MIN_ELEMENTS`) for a call per tensor to cost less than a copy."""
+    gathering them into the flat gradient buffer: every one contiguous, the parameters with a gradient
+    large enough on average (:data:`LIST_MIN_ELEMENTS`) for a call per tensor to cost less than a copy, and
+    none of them an accumulation buffer: a tensor the last step read in place and something has written
+    since (its version counter moved: backward accumulating into a gradient that stays, a
+    ``zero_grad(set_to_none=False)`` of the model's) is gathered once, and its parameter holds a view of
+    the flat buffer from then on, so the following steps need no per-parameter work.  Fresh tensors (after
+    ``zero_grad(set_to_none=True)``) and the same read-only tensors handed over again are read in place."""
     if flat.staged:
         return False
     present = [i for i, g in enumerate(grads) if g is not None and (active is None or active[i])]
     if not present or sum(flat.sizes[i] for i in present) < LIST_MIN_ELEMENTS * len(present):
         return False
+    last = flat.fused.read if flat.fused is not None else None
+    if last:
+        for i in present:
+            seen = last.get(i)
+            if seen is not None and seen[0]() is grads[i] and grads[i]._version != seen[1]:
+                return False
     return all(grads[i].is_contiguous() for i in present)
+
+
+def remember_read(flat) -> None:
+    """After a step: the gradients it read in place (weakly) and their versions, for :func:`reads_in_place`."""
+    if flat.fused is not None:
+        flat.fused.read = ({i: (weakref.ref(g), g._version) for i, g in enumerate(flat.pending) if g is not None}
+                           if flat.pending is not None else None)
 
 
 class _Cache:
@@ -130,7 +150,7 @@ class _Cache:
     the most distinct counts a step can have) and per-parameter views of the states, kept while the
     layout and the state tensors stay the same."""
 
-    __slots__ = ("offsets", "steps", "step_views", "states", "whole", "checked")
+    __slots__ = ("offsets", "steps", "step_views", "states", "whole", "checked", "read")
 
     def __init__(self, flat):
         self.offsets = flat.offsets
@@ -139,6 +159,7 @@ class _Cache:
         self.states: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.whole: tuple | None = None  # (operands, {op: argument lists}) of a step of the whole buffer
         self.checked: list = [None, 0, -1]  # [settings token, lo, hi]: counts whose scalars passed the range check
+        self.read: dict | None = None  # per parameter, the gradient the last step read in place: (weakref, version)
 
     def whole_arguments(self, flat, names: tuple[str, ...], op: str) -> list:
         """The argument lists of a kernel call over the whole buffer (kept while its tensors are the same)."""

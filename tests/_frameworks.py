@@ -3,10 +3,17 @@
 Each of our optimizers is paired with the ``torch.optim`` optimizer that computes the same
 update (docs/design.md, §2, "Equivalences used as test oracles"):
 
-* ``Momentum(alpha)`` is ``SGD(momentum=alpha)`` exactly (the same two ops): compared bit for bit;
+* ``Momentum(alpha)`` is ``SGD(momentum=alpha)``: compared bit for bit with the torch
+  implementation our default backend equals where the optimizer steps (:func:`torch_twin`): on
+  the CPU, for float32/float64 parameters, torch's fused kernel (``SGD(fused=True)``), which
+  ``backend="auto"`` runs there (dml_optim/fused.py); elsewhere (float16/bfloat16, CUDA) torch's
+  default implementation, whose two ops our eager chain runs;
 * ``Adam(epsilon=0)`` and ``DmlAdam(epsilon=0)`` are ``Adam(eps=0)``; the bias correction is
   computed in another order, so float32 results differ by a few ulps (``TORCH_ADAM_FLOAT32``);
 * ``AdamW`` is ``AdamW`` (the same formula rewritten with one division fewer: 1 ulp).
+
+The Adam-family twins stay torch's default implementation (compared to the tolerance): an
+implementation of the formula independent of the fused kernel our CPU backend calls.
 
 The frameworks are optional for a developer (the ``test`` extra installs them, CI has them):
 ``need(name)`` imports one or skips the module with the reason.
@@ -14,13 +21,15 @@ The frameworks are optional for a developer (the ``test`` extra installs them, C
 
 from __future__ import annotations
 
+import functools
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import pytest
 import torch
 from tolerances import TOL, TORCH_ADAM_FLOAT32
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import dml_optim
 
@@ -35,6 +44,48 @@ def need(module: str):
         pytest.skip(f"{module} is not installed ({exc}); {EXTRA_HINT}", allow_module_level=True)
 
 
+#: The parameters' dtypes for which dml_optim's default backend runs torch's fused CPU kernels
+#: (dml_optim/fused.py; float16/bfloat16 run the eager chain).
+FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+@functools.cache
+def torch_twin(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` (a torch.optim class) built as the implementation dml_optim's default backend equals bit
+    for bit where the optimizer steps: ``cls(..., fused=True)`` when every parameter is on the CPU in
+    float32 or float64 (``backend="auto"`` runs torch's fused kernel there), else ``cls(...)``, torch's
+    default (float16/bfloat16 parameters, CUDA: our eager or compiled step).  Parameters that are tensor
+    subclasses (FSDP2's DTensor) get torch's default too: torch.optim cannot run a fused kernel on them
+    (torch 2.13 registers no sharding strategy for ``aten._fused_sgd_``), while ours runs it on the local
+    shards, so no torch implementation equals ours there bit for bit (tests/test_fsdp.py).
+
+    Decided when the optimizer is built, from the parameters' device and dtype then, or from
+    ``dtype=`` (the dtype they will step in, for a model cast after its optimizer is built).  One
+    built on the CPU and then moved to CUDA stays fused (torch's CUDA kernel, not our CUDA step): a
+    test that does that compares to the pair's tolerance.
+
+    A fused torch optimizer declares ``_step_supports_amp_scaling``: GradScaler would hand it
+    ``grad_scale``/``found_inf`` to unscale inside its kernel and call its step even on an overflow,
+    and Lightning refuses to clip its gradients under mixed precision.  Ours leaves float32
+    gradients to GradScaler's own ``unscale_`` and is stepped only when nothing overflowed; the
+    twin is put on that same path (the flag is False, as for torch's other implementations), so
+    its kernel steps the gradients GradScaler unscaled, as ours does."""
+
+    class Twin(cls):
+        def __init__(self, params, *args, dtype: torch.dtype | None = None, **kwargs):
+            groups = [dict(g, params=[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]))
+                      if isinstance(g, dict) else g for g in params]
+            tensors = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+            fused = bool(tensors) and all(p.device.type == "cpu" and (dtype or p.dtype) in FUSED_DTYPES
+                                          and not is_traceable_wrapper_subclass(p) for p in tensors)
+            super().__init__(groups, *args, **kwargs, **({"fused": True} if fused else {}))
+            if fused:
+                self._step_supports_amp_scaling = False
+
+    Twin.__name__, Twin.__qualname__ = cls.__name__, cls.__qualname__  # torch's names, for the frameworks' messages
+    return Twin
+
+
 @dataclass(frozen=True)
 class Pair:
     """One of ours and its torch.optim twin, both built as ``make(params, lr)``."""
@@ -43,6 +94,15 @@ class Pair:
     ours: Callable[..., torch.optim.Optimizer]
     theirs: Callable[..., torch.optim.Optimizer]
     exact: bool = False
+
+    def tolerance(self, dtype=torch.float32) -> dict:
+        """The pair's tolerance for ``dtype`` (where it is not compared bit for bit)."""
+        return TORCH_ADAM_FLOAT32 if dtype == torch.float32 else TOL[dtype]
+
+    def stepping_in(self, dtype) -> "Pair":
+        """This pair with its twin chosen for parameters that will step in ``dtype`` (a model cast after
+        its optimizers are built); for pairs whose twin is a :func:`torch_twin` class (it takes ``dtype=``)."""
+        return replace(self, theirs=functools.partial(self.theirs, dtype=dtype))
 
     def assert_same(self, actual, expected, dtype=torch.float32, what="", tol=None):
         """``actual`` (ours) equals ``expected`` (torch's): bit for bit when the pair is exact and no
@@ -55,14 +115,13 @@ class Pair:
             if self.exact and tol is None:
                 assert torch.equal(a, e), f"{self.id} {what} tensor {i}: max |diff| {(a - e).abs().max().item()}"
             else:
-                if tol is None:
-                    tol = TORCH_ADAM_FLOAT32 if dtype == torch.float32 else TOL[dtype]
-                torch.testing.assert_close(a, e, **tol, msg=lambda m, i=i: f"{self.id} {what} tensor {i}: {m}")
+                torch.testing.assert_close(a, e, **(self.tolerance(dtype) if tol is None else tol),
+                                           msg=lambda m, i=i: f"{self.id} {what} tensor {i}: {m}")
 
 
 PAIRS = [
     Pair("momentum", lambda p, lr: dml_optim.Momentum(p, lr=lr, alpha=0.9),
-         lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9), exact=True),
+         lambda p, lr, **where: torch_twin(torch.optim.SGD)(p, lr=lr, momentum=0.9, **where), exact=True),
     Pair("adam", lambda p, lr: dml_optim.Adam(p, lr=lr, epsilon=0.0),
          lambda p, lr: torch.optim.Adam(p, lr=lr, eps=0.0)),
     Pair("dml-adam", lambda p, lr: dml_optim.DmlAdam(p, lr=lr, epsilon=0.0),

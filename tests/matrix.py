@@ -21,7 +21,14 @@ and must not take from the code under test:
 optimizer variant x dtype x backend x device:
 
 * backend: ``eager``; ``compiled`` is marked ``slow`` and skipped, with the
-  reason, where inductor is unavailable (``compile_available``);
+  reason, where inductor is unavailable (``compile_available``); ``fused``
+  (torch's fused CPU kernels on the flat buffers, ``dml_optim/fused.py``):
+  CPU only, float32/float64, and only the variants whose hyperparameters
+  (both param groups) the kernel takes (:meth:`Case.fuses`: not ONNX Adam's
+  ``norm_coefficient_post``); :func:`cases` leaves the other combinations out
+  (:func:`fused_cases` asks for them), and the twin of a fused case is
+  torch's ``fused=True`` optimizer, which it equals bit for bit when every
+  parameter spans whole 64-byte units (:data:`FUSED_UNIT_ELEMENTS`);
 * device: ``cpu``; ``cuda`` skipped, with the reason, when
   ``torch.cuda.is_available()`` is False, so a machine with a GPU runs the
   whole matrix on it.
@@ -55,7 +62,15 @@ from reference import numpy_ref as ref
 
 F64, F32, F16 = torch.float64, torch.float32, torch.float16
 DEVICES = ("cpu", "cuda")
-BACKENDS = ("eager", "compiled")
+BACKENDS = ("eager", "compiled", "fused")
+#: The parameter dtypes the fused backend runs (torch's fused kernels; other dtypes fall back).
+FUSED_DTYPES = (torch.float64, torch.float32)
+#: torch's CPU fused kernels split each tensor of their lists into 64-byte units, computed with vector
+#: FMAs, and a remainder computed with scalar code, which rounds differently (1 ulp in states from the
+#: second step on, torch 2.4.1 and 2.13, AVX-512).  The fused backend hands them a flat buffer, torch.optim
+#: one tensor per parameter: the two agree bit for bit when every parameter has a multiple of this many
+#: elements (whole units in either dtype, with room for 128-byte lines), else to rounding.
+FUSED_UNIT_ELEMENTS = 32
 _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -362,6 +377,29 @@ class Case:
     def has_twin(self) -> bool:
         return all(self.entry.twin_kwargs(h) is not None for h in (self.variant.hyper, self.variant.second))
 
+    def fused_kernels(self) -> list[str | None]:
+        """Per param group, the name of the torch fused kernel our class maps its hyperparameters to
+        (``fused_kernel(hyper, 0)``, the class defaults filled in), or None where no kernel computes the rule."""
+        defaults = self.cls.spec.defaults()
+        out = []
+        for hyper in (self.variant.hyper, {**self.variant.hyper, **self.variant.second}):
+            kernel = self.cls.fused_kernel({**defaults, **hyper}, 0)
+            out.append(None if kernel is None else kernel[0])
+        return out
+
+    @property
+    def fuses(self) -> bool:
+        """The fused backend can run this case: on the CPU, in float32/float64, with a torch fused kernel for
+        the hyperparameters of both param groups (which the installed torch may still lack: see ``_marks``)."""
+        return (self.device == "cpu" and self.dtype in FUSED_DTYPES
+                and all(k is not None for k in self.fused_kernels()))
+
+    @property
+    def bit_exact_twin(self) -> bool:
+        """The twin is torch's ``fused=True`` optimizer, which a fused case equals bit for bit over
+        parameters of whole kernel units (:data:`FUSED_UNIT_ELEMENTS`)."""
+        return self.backend == "fused"
+
     # -- construction ------------------------------------------------------------------
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
@@ -386,14 +424,16 @@ class Case:
         return [{"params": first}, {"params": second, **self.variant.second}]
 
     def twin(self, params, **torch_kwargs) -> torch.optim.Optimizer:
-        """The exact torch.optim twin (``foreach=False``: the single-tensor reference implementation).
+        """The exact torch.optim twin (``foreach=False``: the single-tensor reference implementation; for a
+        ``fused`` case ``fused=True``: torch's fused kernels, the ones the fused backend calls).
 
         ``params`` may be group dicts with our hyperparameters (as :meth:`groups` makes them)."""
         if params and isinstance(params[0], dict):
             params = [{"params": g["params"], **self.entry.to_torch({**self.variant.hyper, **g})}
                       for g in params]
-        kwargs = {**self.entry.to_torch(self.variant.hyper), **torch_kwargs}
-        return self.entry.torch_class(params, foreach=False, **kwargs)
+        implementation = dict(fused=True) if self.backend == "fused" else dict(foreach=False)
+        kwargs = {**implementation, **self.entry.to_torch(self.variant.hyper), **torch_kwargs}
+        return self.entry.torch_class(params, **kwargs)
 
     def torch_tolerance(self) -> dict:
         """Tolerance overrides for long runs against the torch twin (tests/tolerances.py)."""
@@ -420,7 +460,7 @@ _NO_CUDA = pytest.mark.skipif(
 )
 
 
-def _marks(backend: str, device: str) -> list:
+def _marks(backend: str, device: str, case: Case | None = None) -> list:
     marks = []
     if device == "cuda":
         marks.append(_NO_CUDA)
@@ -428,6 +468,10 @@ def _marks(backend: str, device: str) -> list:
         marks.append(pytest.mark.slow)
         ok, why = compile_available(device)
         marks.append(pytest.mark.skipif(not ok, reason=f"compiled axis: torch.compile is unavailable on {device}: {why}"))
+    if backend == "fused" and case is not None:
+        missing = sorted({k for k in case.fused_kernels() if not callable(getattr(torch, k, None))})
+        marks.append(pytest.mark.skipif(bool(missing), reason=f"fused axis: torch {torch.__version__} has no "
+                                                               f"{', '.join('torch.' + k for k in missing)}"))
     return marks
 
 
@@ -441,7 +485,9 @@ def cases(*, variants: str | Callable[[Variant], bool] = "default", dtypes="all"
     (intersected with the entry's).  ``twin``: only variants with an exact
     torch.optim twin.  ``low_precision=False`` leaves float16/bfloat16 out
     (a comparison with torch.optim there would measure torch's arithmetic).
-    ``names``: only these registry names.
+    ``names``: only these registry names.  ``backends`` may hold ``"fused"``: its points are the ones
+    the fused backend runs (:attr:`Case.fuses`: CPU, float32/float64, a kernel for both groups), the others
+    are left out (see :func:`fused_cases`).
     """
     out = []
     for e in ENTRIES.values():
@@ -468,8 +514,18 @@ def cases(*, variants: str | Callable[[Variant], bool] = "default", dtypes="all"
                         c = Case(e, v, d, b, dev)
                         if twin and not c.has_twin:
                             continue
-                        out.append(pytest.param(c, id=c.id, marks=_marks(b, dev)))
+                        if b == "fused" and not c.fuses:
+                            continue
+                        out.append(pytest.param(c, id=c.id, marks=_marks(b, dev, c)))
     return out
+
+
+def fused_cases(**kwargs) -> list:
+    """pytest params of the fused backend (:func:`cases` with ``backends=("fused",)``): the CPU, float32 and
+    float64, every variant whose hyperparameters (both param groups) torch's fused kernels take, unless
+    ``kwargs`` narrows them further."""
+    kwargs.setdefault("devices", ("cpu",))
+    return cases(backends=("fused",), **kwargs)
 
 
 def classes(devices: Sequence[str] = DEVICES) -> list:

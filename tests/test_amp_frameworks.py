@@ -5,7 +5,9 @@ GradScaler has two paths (docs/design.md, §5, "AMP"):
 * float32 gradients: ours reports ``_step_supports_amp_scaling = False``, so GradScaler unscales
   with its own kernels (``unscale_``, which frameworks call before clipping) and calls our
   ``step()`` only when nothing overflowed: the same path as for torch.optim, which must give the
-  same parameters and the same scale trajectory;
+  same parameters and the same scale trajectory (Momentum: bit for bit with torch's fused SGD, which
+  our default backend runs on the CPU for float32 parameters, put on GradScaler's own path as ours
+  is: tests/_frameworks.py, ``torch_twin``);
 * float16 gradients (GradScaler refuses to unscale those itself): ours reports True and GradScaler
   hands over ``grad_scale``/``found_inf`` (its current protocol; the old ``step(grad_scaler=...)``
   keyword raises a FutureWarning every step).  torch.optim cannot take that path at all, so its
@@ -24,7 +26,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _frameworks import BY_ID, PAIR_IDS, PAIRS, Pair, moved, params_of
+from _frameworks import BY_ID, PAIR_IDS, PAIRS, Pair, moved, params_of, torch_twin
 
 import dml_optim
 
@@ -84,12 +86,14 @@ def test_float32_gradients_take_gradscalers_own_path_like_torch(pair, unscale_an
 
 
 #: float16 and bfloat16 parameters.  Without a gate our float16/bfloat16 Momentum and Adagrad steps
-#: are torch's SGD and Adagrad bit for bit.  Adam-family twins are left out in float16, whose second
-#: moments of ordinary gradients are subnormal and round differently in the two orders of operations.
+#: are torch's SGD and Adagrad bit for bit (their default implementations: our default backend runs
+#: torch's fused kernels for float32/float64 only, and ``torch_twin`` picks the default here).
+#: Adam-family twins are left out in float16, whose second moments of ordinary gradients are
+#: subnormal and round differently in the two orders of operations.
 FP16_PAIRS = [
     BY_ID["momentum"],
     Pair("adagrad", lambda p, lr: dml_optim.Adagrad(p, lr=lr, epsilon=1e-3),
-         lambda p, lr: torch.optim.Adagrad(p, lr=lr, eps=1e-3), exact=True),
+         lambda p, lr: torch_twin(torch.optim.Adagrad)(p, lr=lr, eps=1e-3), exact=True),
 ]
 FP16_IDS = [p.id for p in FP16_PAIRS]
 

@@ -16,12 +16,21 @@ Two kinds of failure inside ``step()``:
   the next step matches a run that never failed.
 
 Every optimizer of the test matrix (``tests/matrix.py``, one case per
-optimizer and device) runs every world; the worlds fix their own dtypes
+optimizer and device) runs every world with the case's backend (``eager``:
+the rule is what ``fail_after`` wraps); the worlds fix their own dtypes
 (float32, or float16 for the chunked and master-weight modes).
+
+The ``fused`` backend (the default on the CPU for float32 and float64
+buffers) never calls the rule: it calls torch's fused kernel
+(``dml_optim.fused``), which :func:`fail_fused_after` wraps instead (the plan
+looks the kernel up on ``torch`` when it plans a step, so patching
+``torch._fused_adamw_`` and the others reaches it), with the same evidence:
+rolled back bit-exactly with ``atomic=True``, a note without.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -29,6 +38,7 @@ import torch
 
 import dml_optim.functional
 import dml_optim.optimizers.engine as engine
+from dml_optim.backends import resolved_backends
 from introspect import buffers, runs_in_chunks
 from matrix import Case, case_of, classes
 from test_bad_inputs import assert_same, make_params, new_grads, snapshot
@@ -67,6 +77,34 @@ def fail_after(opt, n: int, exc=Injected):
     return calls
 
 
+def fail_fused_after(monkeypatch, opt, ps, n: int, exc=Injected):
+    """Wrap torch's fused kernels that ``opt``'s groups call: run the real kernel, and raise right after the
+    ``n``-th kernel call of the step (all kernels counted together).  Returns the list of calls, each entry
+    whether the parameters differed from their values when wrapped: what had been written by then."""
+    ops = {type(opt).fused_kernel(group, 0)[0] for group in opt.param_groups}
+    before = [p.detach().clone() for p in ps]
+    calls: list[bool] = []
+    for op in ops:
+        real = getattr(torch, op)
+
+        def kernel(*args, _real=real, **kwargs):
+            _real(*args, **kwargs)
+            calls.append(any(not torch.equal(p.detach(), b) for p, b in zip(ps, before)))
+            if len(calls) == n:
+                raise exc("injected failure in torch's fused kernel")
+
+        monkeypatch.setattr(torch, op, kernel)
+    return calls
+
+
+def fused_calls_per_step(opt, ps) -> int:
+    """How many fused kernel calls one step of ``opt`` makes (a step is taken)."""
+    with pytest.MonkeyPatch.context() as mp:
+        calls = fail_fused_after(mp, opt, ps, -1)
+        opt.step()
+    return len(calls)
+
+
 def stop_failing(cls) -> None:
     """Give ``cls`` its real rule back."""
     for i, (patched, real) in enumerate(_PATCHED):
@@ -82,7 +120,7 @@ def stop_failing(cls) -> None:
 def buffers_world(case: Case, **kw):
     """Three param groups = three flat buffers, one completed step."""
     ps = make_params(shapes=((2, 3), (4,), (5,)), device=case.device)
-    opt = case.cls([{"params": [p]} for p in ps], lr=0.1, **kw)
+    opt = case.cls([{"params": [p]} for p in ps], lr=0.1, **{"backend": case.backend, **kw})
     opt.step()
     new_grads(ps)
     return ps, opt
@@ -91,7 +129,7 @@ def buffers_world(case: Case, **kw):
 def runs_world(case: Case, **kw):
     """One buffer whose params have different step counts: three runs per step."""
     ps = make_params(shapes=((3,), (4,), (2,), (5,)), device=case.device)
-    opt = case.cls(ps, lr=0.1, **kw)
+    opt = case.cls(ps, lr=0.1, **{"backend": case.backend, **kw})
     ps[1].grad = None
     opt.step()  # p1 stays at step 0: runs [p0], [p1], [p2, p3]
     new_grads(ps)
@@ -102,7 +140,8 @@ def chunked_world(case: Case, monkeypatch, **kw):
     """float16 parameters, float32 compute: the rule runs over 8-element chunks."""
     monkeypatch.setattr(engine, "CHUNK_ELEMENTS", 8)
     ps = make_params(shapes=((5, 6), (7,)), dtype=torch.float16, device=case.device)
-    opt = case.cls(ps, lr=0.01, compute_dtype=torch.float32, state_dtype=torch.float32, **kw)
+    opt = case.cls(ps, lr=0.01, compute_dtype=torch.float32, state_dtype=torch.float32,
+                   **{"backend": case.backend, **kw})
     opt.step()
     new_grads(ps)
     assert runs_in_chunks(opt)
@@ -112,7 +151,8 @@ def chunked_world(case: Case, monkeypatch, **kw):
 def master_world(case: Case, **kw):
     ps = (make_params(shapes=((3, 3),), dtype=torch.float16, device=case.device)
           + make_params(shapes=((4,),), dtype=torch.float16, device=case.device))
-    opt = case.cls([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=0.01, master_weights=True, **kw)
+    opt = case.cls([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=0.01, master_weights=True,
+                   **{"backend": case.backend, **kw})
     opt.step()
     new_grads(ps)
     return ps, opt
@@ -137,6 +177,7 @@ def _note(exc_info) -> str:
 def test_injected_failure_is_rolled_back_with_atomic(case, world, monkeypatch):
     ps, opt = WORLDS[world](case, monkeypatch, atomic=True)
     twin_ps, twin = WORLDS[world](case, monkeypatch, atomic=True)
+    assert {b for g in resolved_backends(opt) for b in g} == {"eager"}  # the rule runs: fail_after reaches it
     before = snapshot(ps, opt)
     calls = fail_after(opt, 2)
     with pytest.raises(Injected):
@@ -156,6 +197,7 @@ def test_injected_failure_is_rolled_back_with_atomic(case, world, monkeypatch):
 def test_injected_failure_without_atomic_is_partial_and_says_so(world, monkeypatch):
     """The default (atomic=False) does not roll back: the measured evidence for the option."""
     ps, opt = WORLDS[world](ADAM, monkeypatch)
+    assert {b for g in resolved_backends(opt) for b in g} == {"eager"}
     before = snapshot(ps, opt)
     fail_after(opt, 2)
     with pytest.raises(Injected) as info:
@@ -171,6 +213,7 @@ def test_injected_failure_without_atomic_is_partial_and_says_so(world, monkeypat
 def test_failure_inside_functional_adam_is_rolled_back(monkeypatch):
     """Patch the math itself (``dml_optim.functional.adam_``), not the optimizer's hook."""
     ps, opt = buffers_world(ADAM, atomic=True)
+    assert {b for g in resolved_backends(opt) for b in g} == {"eager"}  # (the fused kernel is not adam_)
     real = dml_optim.functional.adam_
     calls = []
 
@@ -208,6 +251,71 @@ def test_failure_after_a_skipped_overflow_step_is_rolled_back(monkeypatch):
     assert_same(before, snapshot(ps, opt))
 
 
+# -- the fused backend: torch's kernel fails mid-step ------------------------------
+
+#: The matrix's classes on the fused backend (all have a fused kernel for their default variant), CPU only.
+FUSED_CASES = [pytest.param(dataclasses.replace(p.values[0], backend="fused"),
+                            id=dataclasses.replace(p.values[0], backend="fused").id)
+               for p in classes(devices=("cpu",))]
+#: Worlds a fused buffer runs: several buffers (one call each), and one buffer whose parameters are at two step
+#: counts (stepped as ranges, no re-pack: one call per distinct keyword set, two for the Adams and Momentum).
+FUSED_WORLDS = ("buffers", "runs")
+
+
+def _fused_world(case: Case, world: str, monkeypatch, **kw):
+    ps, opt = WORLDS[world](case, monkeypatch, **kw)
+    assert resolved_backends(opt) == [["fused"] for _ in opt.param_groups], resolved_backends(opt)
+    return ps, opt
+
+
+def _fail_at(total: int) -> int:
+    """The kernel call to fail after: the last but one (some buffers or runs written, one not), or the only one."""
+    return max(1, total - 1)
+
+
+@pytest.mark.parametrize("world", FUSED_WORLDS)
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_failure_in_a_fused_kernel_is_rolled_back_with_atomic(case, world, monkeypatch):
+    ps, opt = _fused_world(case, world, monkeypatch, atomic=True)
+    twin_ps, twin = _fused_world(case, world, monkeypatch, atomic=True)
+    count_ps, counted = _fused_world(case, world, monkeypatch, atomic=True)
+    total = fused_calls_per_step(counted, count_ps)
+    assert total >= 1 and (world != "buffers" or total == 3)  # a fused step calls torch's kernel: once per buffer
+    before = snapshot(ps, opt)
+    calls = fail_fused_after(monkeypatch, opt, ps, _fail_at(total))
+    with pytest.raises(Injected):
+        opt.step()
+    assert len(calls) == _fail_at(total) and calls[-1]  # the kernel had written parameters when it failed
+    assert_same(before, snapshot(ps, opt))
+    # and the optimizer goes on exactly like a twin that never failed
+    monkeypatch.undo()
+    opt.step()
+    twin.step()
+    a, b = snapshot(ps, opt), snapshot(twin_ps, twin)
+    del a["group_params"], b["group_params"]
+    assert_same(a, b)
+    assert resolved_backends(opt) == resolved_backends(twin) == [["fused"] for _ in opt.param_groups]
+
+
+@pytest.mark.parametrize("world", FUSED_WORLDS)
+def test_failure_in_a_fused_kernel_without_atomic_is_partial_and_says_so(world, monkeypatch):
+    ps, opt = _fused_world(dataclasses.replace(ADAM, backend="fused"), world, monkeypatch)
+    count_ps, counted = _fused_world(dataclasses.replace(ADAM, backend="fused"), world, monkeypatch)
+    total = fused_calls_per_step(counted, count_ps)
+    assert total >= 2  # the Adams call the kernel once per buffer, and once per step count (their eps)
+    before = snapshot(ps, opt)
+    calls = fail_fused_after(monkeypatch, opt, ps, total - 1)
+    with pytest.raises(Injected) as info:
+        opt.step()
+    assert len(calls) == total - 1 and calls[-1]
+    with pytest.raises(AssertionError):  # some parameters and states were written, not all
+        assert_same(before, snapshot(ps, opt))
+    if sys.version_info >= (3, 11):
+        assert "partially updated" in _note(info) and "atomic=True" in _note(info)
+    else:  # pragma: no cover - Python 3.10 has no exception notes
+        assert not hasattr(info.value, "__notes__")
+
+
 # -- validation-class errors: raised before any write ----------------------------
 
 
@@ -217,7 +325,7 @@ def multi_world(case: Case, **kw):
     dev = case.device
     ps = (make_params(shapes=((2, 3), (4,)), device=dev) + make_params(shapes=((3,),), dtype=dt2, device=dev)
           + make_params(shapes=((5,), (6,)), device=dev))
-    opt = case.cls([{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05}], lr=0.01, **kw)
+    opt = case.cls([{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05}], lr=0.01, **{"backend": case.backend, **kw})
     assert len(buffers(opt, 0)) == 2
     opt.step()
     new_grads(ps)
@@ -258,9 +366,33 @@ SPOILERS = {
 @pytest.mark.parametrize("case", classes())
 def test_validation_errors_raise_before_any_write(case, nonfinite, spoiler):
     ps, opt = multi_world(case, nonfinite=nonfinite)  # atomic=False: nothing to roll back is needed
+    assert {b for g in resolved_backends(opt) for b in g} == {"eager"}
     spoil, exc, match = SPOILERS[spoiler]
     spoil(ps, opt)
     calls = fail_after(opt, 10**9)  # counts rule calls
+    before = snapshot(ps, opt)
+    with pytest.raises(exc, match=match):
+        opt.step()
+    assert calls == []
+    assert_same(before, snapshot(ps, opt))
+
+
+#: The matrix's classes with the default backend (``auto``: torch's fused kernel for CPU float32/float64 buffers).
+AUTO_CASES = [pytest.param(dataclasses.replace(p.values[0], backend="auto"),
+                           id=dataclasses.replace(p.values[0], backend="auto").id)
+              for p in classes(devices=("cpu",))]
+
+
+@pytest.mark.parametrize("spoiler", sorted(SPOILERS))
+@pytest.mark.parametrize("case", AUTO_CASES)
+def test_validation_errors_raise_before_any_fused_kernel_call(case, spoiler, monkeypatch):
+    """The same spoilers with the default CPU backend on its fused kernels: raised before the first call."""
+    ps, opt = multi_world(case)
+    fused = [[b == "fused" for b in g] for g in resolved_backends(opt)]
+    assert fused[1] == [True]  # the spoiled group runs torch's kernel (group 0's float16 DmlAdam buffer: eager)
+    spoil, exc, match = SPOILERS[spoiler]
+    spoil(ps, opt)
+    calls = fail_fused_after(monkeypatch, opt, ps, 10**9)  # counts kernel calls
     before = snapshot(ps, opt)
     with pytest.raises(exc, match=match):
         opt.step()

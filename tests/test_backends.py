@@ -1,12 +1,14 @@
-"""The eager and compiled backends (dml_optim/backends.py, dml_optim/compiled.py).
+"""The eager, compiled and fused backends (dml_optim/backends.py, dml_optim/compiled.py, dml_optim/fused.py).
 
 Every optimizer's agreement with the float64 reference, eager and compiled,
 with a learning rate that changes every step, is the test matrix's
 (``tests/test_optimizers.py``); the cases here come from the matrix too
 (``tests/matrix.py``).  This file holds what is particular to a backend:
-fallbacks and their warnings, ``auto``, graph reuse (no recompilation for a
-scheduler, instances, epsilons or lengths), dispatch modes, the caller's
-denormal mode, ``capturable``, and the compiled kernel's float64 coefficients.
+fallbacks and their warnings, ``auto`` (fused on the CPU where torch's kernel
+runs the buffer; otherwise eager, compiled by size, or compiled once the eager
+steps took a compile's time), graph reuse (no recompilation for a scheduler,
+instances, epsilons or lengths), dispatch modes, the caller's denormal mode,
+``capturable``, and the compiled kernel's float64 coefficients.
 Compilation is real (inductor on this machine's C++ compiler); the first
 compile on a fresh machine costs 10-40 s once (inductor's ISA probe), then a
 few seconds per kernel.
@@ -23,6 +25,7 @@ from torch._dynamo.utils import counters
 import dml_optim
 from dml_optim import backends, compiled
 from dml_optim.compiled import CompileFallbackWarning
+from dml_optim.opcount import OpRecorder
 from introspect import buffers
 from matrix import ENTRIES, case_of, classes
 from tolerances import TOL, assert_close
@@ -120,7 +123,7 @@ def _steps(opt, params, n, seed=5):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(n):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
         opt.step()
 
 
@@ -234,11 +237,91 @@ def test_auto_is_eager_for_small_buffers_and_directml():
         backends.resolve("fast", "cpu", 10)
 
 
-def test_auto_keeps_small_models_eager():
-    params = _params()
-    opt = dml_optim.Adam(params, lr=1e-3)  # backend="auto" is the default
-    _steps(opt, params, 2)
+#: Settings under which torch's fused kernel cannot run a CPU buffer (``dml_optim.fused.unsupported``):
+#: ``auto`` chooses between eager and compiled for them as before the fused backend.
+#: (optimizer, parameter dtype, options)
+NOT_FUSED = {
+    "float16-params": ("adam", torch.float16, dict(epsilon=1e-4)),
+    "state-dtype": ("adamw", torch.float32, dict(state_dtype=torch.bfloat16)),
+    "compute-dtype": ("adamw", torch.float32, dict(compute_dtype=torch.float64)),
+    "master-weights": ("adam", torch.float16, dict(master_weights=True)),
+    "kahan": ("momentum", torch.bfloat16, dict(kahan=True)),
+    "quantized": ("adamw", torch.float32, dict(state_bits=8)),
+    "capturable": ("adam", torch.float32, dict(capturable=True)),
+    "nonfinite-skip": ("adagrad", torch.float32, dict(nonfinite="skip")),
+    "norm-coefficient-post": ("adam", torch.float32, dict(norm_coefficient_post=0.01)),
+    "momentum-alpha-0": ("momentum", torch.float32, dict(alpha=0.0)),
+}
+
+
+def _not_fused(which: str, **extra):
+    """An optimizer of ``NOT_FUSED[which]`` (backend="auto") over three parameters, with gradients (quantized:
+    large enough to get quantized states)."""
+    from dml_optim.quant import MIN_ELEMENTS
+
+    name, dtype, options = NOT_FUSED[which]
+    numel_each = MIN_ELEMENTS if "state_bits" in options else 33
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(numel_each, generator=gen).to(dtype)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(numel_each, generator=gen).to(dtype)
+    return params, case_of(name).build(params, backend="auto", **{**options, **extra})
+
+
+@pytest.mark.parametrize("name", list(ENTRIES))
+def test_auto_runs_plain_cpu_buffers_with_torchs_fused_kernel(name):
+    """``backend="auto"`` (the default) runs a plain float32 or float64 CPU buffer with torch's fused kernel,
+    whatever its size: no eager time is counted (nothing to tier), nothing compiles."""
+    for dtype in (torch.float32, torch.float64):
+        if dtype not in ENTRIES[name].cls.dtypes:
+            continue
+        params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in SHAPES]
+        opt = ENTRIES[name].cls(params, lr=1e-3)  # backend="auto" is the default
+        assert backends.resolved_backends(opt) == [["fused"]]  # (decided before the first step too)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback of any kind
+            _steps(opt, params, 2)
+        assert backends.resolved_backends(opt) == [["fused"]]
+        assert opt._layout[0].buffers[0].eager_s == 0.0 and not backends.tiering_pending(opt)
+    big = torch.nn.Parameter(torch.randn(backends.AUTO_TIER_MIN_ELEMENTS["cpu"]))  # (a size the eager chain tiers)
+    opt = ENTRIES[name].cls([big], lr=1e-3)
+    assert backends.resolved_backends(opt) == [["fused"]] and not backends.tiering_pending(opt)
+
+
+@pytest.mark.parametrize("which", [pytest.param(w)
+                                   for w in sorted(NOT_FUSED)])
+def test_auto_keeps_small_buffers_fused_kernel_cannot_run_eager(which):
+    """A small CPU buffer that torch's fused kernel cannot run (another dtype, a precision mode, device-side
+    counts, a gated step, a rule no kernel computes) runs the eager chain under ``auto``, without a warning
+    (auto chose it), and says so."""
+    params, opt = _not_fused(which)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _steps(opt, params, 2)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        recorder = OpRecorder(compiled=True)
+        with recorder:
+            opt.step()
+    assert recorder.ops > 2 and not any(name.startswith("aten::_fused_") for name in recorder.counts())
     assert backends.resolved_backends(opt) == [["eager"]]
+
+
+@pytest.mark.parametrize("which", ["float16-params", "state-dtype", "norm-coefficient-post", "quantized"])
+def test_auto_compiles_large_buffers_fused_kernel_cannot_run(which, kernels_run_eagerly, monkeypatch):
+    """From the size threshold on (here lowered: no compile, the kernel's Python runs), ``auto`` compiles a
+    buffer torch's fused kernel cannot run, as it did before the fused backend; a plain buffer of the same
+    size still runs fused."""
+    monkeypatch.setitem(backends.AUTO_COMPILE_MIN_ELEMENTS, "cpu", 64)
+    monkeypatch.setitem(backends.AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED, "cpu", 64)
+    params, opt = _not_fused(which)
+    assert backends.resolved_backends(opt) == [["compiled"]]
+    _steps(opt, params, 2)
+    assert backends.resolved_backends(opt) == [["compiled"]] and compiled.fell_back(opt) is None
+    plain = [torch.nn.Parameter(torch.randn(33)) for _ in range(3)]
+    plain_opt = dml_optim.AdamW(plain)
+    _steps(plain_opt, plain, 2)
+    assert backends.resolved_backends(plain_opt) == [["fused"]]
 
 
 def test_compiled_on_directml_warns_once_and_runs_eager(isolated_cache, monkeypatch):
@@ -596,17 +679,23 @@ def test_a_one_element_range_goes_through_dynamo(monkeypatch):
 # -- auto: compile a smaller buffer once its eager steps cost what a compile does ------------------------
 
 
+#: A CPU buffer torch's fused kernel cannot run (the rule computed in float64 for float32 parameters): the
+#: ``auto`` backend tiers it (eager, then compiled), as every CPU buffer before the fused backend.
+TIERED = dict(compute_dtype=torch.float64)
+
+
 @pytest.mark.slow
 @needs_compiler
 def test_auto_compiles_a_smaller_cpu_buffer_after_running_eagerly_for_a_compiles_time(monkeypatch):
-    """Below the size threshold ``auto`` starts eager, counts the eager steps' time, and compiles the buffer
-    once that reaches ``AUTO_COMPILE_AFTER_EAGER_S``: the steps before and after follow the eager twin."""
+    """Below the size threshold ``auto`` starts a buffer the fused kernel cannot run eager, counts the eager
+    steps' time, and compiles the buffer once that reaches ``AUTO_COMPILE_AFTER_EAGER_S``: the steps before
+    and after follow the eager twin."""
     monkeypatch.setitem(backends.AUTO_COMPILE_AFTER_EAGER_S, "cpu", 0.02)
     n = backends.AUTO_TIER_MIN_ELEMENTS["cpu"]
     gen = torch.Generator().manual_seed(2)
     p = torch.nn.Parameter(torch.randn(n, generator=gen))
     q = torch.nn.Parameter(p.detach().clone())
-    opt, ref = dml_optim.AdamW([p], lr=1e-3), dml_optim.AdamW([q], lr=1e-3, backend="eager")
+    opt, ref = dml_optim.AdamW([p], lr=1e-3, **TIERED), dml_optim.AdamW([q], lr=1e-3, backend="eager", **TIERED)
     seen = []
     for _ in range(400):
         g = torch.randn(n, generator=gen)
@@ -623,27 +712,48 @@ def test_auto_compiles_a_smaller_cpu_buffer_after_running_eagerly_for_a_compiles
 
 def test_small_and_quantized_buffers_never_tier():
     """A buffer under ``AUTO_TIER_MIN_ELEMENTS`` (or with quantized states, which compile from their own
-    threshold) is not timed and stays eager however long it runs."""
+    threshold) is not timed and stays eager however long it runs (buffers the fused kernel cannot run:
+    a plain one runs fused)."""
     small = backends.AUTO_TIER_MIN_ELEMENTS["cpu"] - 1
     assert not backends.tiers("cpu", small, False) and not backends.tiers("cpu", 1 << 15, True)
     assert backends.resolve("auto", "cpu", small, eager_s=1e9) == "eager"
-    p = torch.nn.Parameter(torch.randn(small))
-    p.grad = torch.randn(small)
-    opt = dml_optim.Adam([p])
-    for _ in range(3):
-        opt.step()
-    assert opt.flat_buffers()[0].numel == small and opt._layout[0].buffers[0].eager_s == 0.0
-    assert not backends.tiering_pending(opt)
+    for options in (TIERED, dict(state_bits=8)):
+        p = torch.nn.Parameter(torch.randn(small if "state_bits" not in options else 1 << 15))
+        p.grad = torch.randn_like(p)
+        opt = dml_optim.Adam([p], **options)
+        for _ in range(3):
+            opt.step()
+        assert backends.resolved_backends(opt) == [["eager"]], options
+        assert opt._layout[0].buffers[0].eager_s == 0.0 and not backends.tiering_pending(opt), options
+
+
+def test_a_buffer_that_tiers_is_pending_until_it_compiles(monkeypatch):
+    """``tiering_pending``: a buffer the fused kernel cannot run, from ``AUTO_TIER_MIN_ELEMENTS`` on, runs eager
+    and counts its time until that reaches ``AUTO_COMPILE_AFTER_EAGER_S``; then it resolves compiled (not run
+    here: resolving compiles nothing)."""
+    monkeypatch.setattr(compiled, "compile_available", lambda device_type: (True, ""))
+    n = backends.AUTO_TIER_MIN_ELEMENTS["cpu"]
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = dml_optim.AdamW([p], **TIERED)
+    opt.step()
+    flat = opt._layout[0].buffers[0]
+    assert flat.eager_s > 0 and backends.tiering_pending(opt)
+    assert backends.resolved_backends(opt) == [["eager"]]
+    flat.eager_s = backends.AUTO_COMPILE_AFTER_EAGER_S["cpu"]
+    assert backends.resolved_backends(opt) == [["compiled"]] and not backends.tiering_pending(opt)
 
 
 def test_the_eager_time_survives_a_repack():
-    """Unfreezing re-packs the group into new buffers; the time already spent eagerly carries over."""
+    """Unfreezing re-packs the group into new buffers; the time already spent eagerly (by a buffer the fused
+    kernel cannot run, which tiers) carries over."""
     n = backends.AUTO_TIER_MIN_ELEMENTS["cpu"]
     a, b = torch.nn.Parameter(torch.randn(n)), torch.nn.Parameter(torch.randn(n), requires_grad=False)
-    opt = dml_optim.Adam([a, b])
+    opt = dml_optim.Adam([a, b], **TIERED)
     a.grad = torch.randn(n)
     for _ in range(3):
         opt.step()
+    assert backends.resolved_backends(opt) == [["eager"]]
     spent = opt._layout[0].buffers[0].eager_s
     assert spent > 0
     b.requires_grad_(True)

@@ -78,6 +78,10 @@ def test_quick_benchmark_measures_every_row(tmp_path, monkeypatch, capsys):
         assert r["samples"] >= doc["settings"]["min_rounds"] and r["kernel_ms"] is None  # no kernel time on the CPU
         assert (r["compile_s"] is not None) == (r["candidate"] == "dml_optim compiled")
     assert len(doc["references"]) == len(CHOSEN) * len(works)
+    # what backend="auto" runs on the CPU for float32: torch's fused kernel; the frozen rows' own auto candidate ran it
+    for ref in doc["references"]:
+        frozen_row = ref["workload"].startswith(FROZEN_PREFIXES)
+        assert (ref["auto_backend"], ref["auto_runs"]) == (("auto" if frozen_row else "fused"), "fused"), ref
 
     def row(o, w, c):
         return next(r for r in doc["results"] if (r["optimizer"], r["workload"], r["candidate"]) == (o, w, c))
@@ -94,13 +98,22 @@ def test_quick_benchmark_measures_every_row(tmp_path, monkeypatch, capsys):
             assert row(o, w, "dml_optim eager")["optimizer_bytes"] == (states + 1) * 4 * info["trainable_elements"], (o, w)
             if compile_ok:
                 assert row(o, w, "dml_optim compiled")["optimizer_bytes"] == states * 4 * info["trainable_elements"], (o, w)
+            # torch's fused kernel on the flat buffers: the states only, and a kernel call (and the step numbers'
+            # fill) per distinct set of hyperparameters: at most one per step class
+            assert row(o, w, "dml_optim fused")["optimizer_bytes"] == states * 4 * info["trainable_elements"], (o, w)
+            assert row(o, w, "dml_optim fused")["ops_per_step"] <= 1 + 3, (o, w)
         # one flat buffer, one step class: the same ops for 256 tensors as for the LoRA model's 32 trainable ones
         assert (row(o, "many-small-256", "dml_optim eager")["ops_per_step"]
                 == row(o, lora(d=64).name, "dml_optim eager")["ops_per_step"])
 
     assert [h["optimizer"] for h in doc["host_work"]] == list(CHOSEN)
     for h in doc["host_work"]:  # one flat buffer: 2,000 tensors dispatch the ops of one; the rest is host work
-        assert h["ops_many_full"] == h["ops_many_fast"] == h["ops_one"] <= 12, h
+        assert (h["backend"], h["checks"]) == ("fused", "refs"), h  # the defaults: auto (fused here), checks="refs"
+        assert h["ops_many_refs"] == h["ops_many_full"] == h["ops_many_fast"] == h["ops_one"] <= 3, h
+        assert h["eager_ops_many"] == h["eager_ops_one"] <= 12, h
+        assert all(h[k] > 0 for k in ("us_many_refs", "us_many_full", "us_many_fast", "us_one", "eager_us_many",
+                                       "eager_us_one")), h
+        assert h["ratio_refs"] == h["us_many_refs"] / h["us_one"] and h["eager_ratio"] == h["eager_us_many"] / h["eager_us_one"]
     assert [m["pack_via"] for m in doc["memory"]] == ["auto", "device", "host"]
     resnet50 = benchmark.workload("resnet50").trainable_numel
     assert all(m["peak_ratio"] > 0 and m["trainable_bytes"] == 4 * resnet50 for m in doc["memory"])
@@ -133,14 +146,20 @@ def test_quick_benchmark_measures_every_row(tmp_path, monkeypatch, capsys):
                 assert r["available"] and r["ms_per_step"] > 0 and r["ms_min"] <= r["ms_per_step"] <= r["ms_max"], r
                 assert r["distinct_step_counts"] > 1 if m == "changing" else r["distinct_step_counts"] == 1
         assert [t["versus"] for t in rec["targets"]] == ["the steady step", "torch fused"]
+        assert rec["auto_runs"] == "fused" and {t["dml_backend"] for t in rec["targets"]} == {"fused"}
     for rec in doc["construction"]:
         assert all(r["available"] and r["cold_s"] > 0 and r["ms"] > 0 and r["samples"] == 3 for r in rec["rows"]), rec
+        assert rec["auto_backend"] == rec["rows"][0]["backend"] == "fused"  # what auto ran, not a prediction by size
         (target,) = rec["targets"]
         assert target["workload"] == "linear-16x64" and target["target"].endswith("construction + first step <= 1.5x "
                                                                                     "torch fused (warm)")
     for ref in doc["references"]:  # CPU: every speed and frozen row has its target against torch fused
         (target,) = ref["targets"]
         assert target["versus"] == "torch fused" and target["workload"] == ref["workload"]
+        assert target["dml_backend"] == "fused", target
+    # the printed report marks the rows auto runs, and says what the frozen rows' auto candidate ran
+    assert any(line.startswith("| adam | many-small-256 | dml_optim fused (auto) |") for line in lines)
+    assert any("| dml_optim auto (auto: fused) |" in line for line in lines)
 
 
 def test_a_failing_measurement_is_recorded_and_the_run_goes_on(tmp_path):
@@ -156,10 +175,13 @@ def test_a_failing_measurement_is_recorded_and_the_run_goes_on(tmp_path):
     assert doc["errors"] == [{"row": "speed", "task": "a broken row", "error": "RuntimeError: CUDA out of memory"}]
     assert [h["optimizer"] for h in doc["host_work"]] == ["momentum"] and doc["complete"]
     (h,) = doc["host_work"]
-    assert h["ops_many_full"] == h["ops_many_fast"] == h["ops_one"] == _momentum_ops()
-    host_targets = [t for t in doc["targets"] if t["target"].startswith("host work")]
-    assert [t["target"].rsplit("(", 1)[1] for t in host_targets] == ["checks=full)", "checks=fast)"]
-    assert all(t["status"] in ("PASS", "MISS") and t["measured"] == h[f"ratio_{t['target'][-5:-1]}"] for t in host_targets)
+    assert h["eager_ops_many"] == h["eager_ops_one"] == _momentum_ops()  # the eager chain: the ops of one buffer
+    assert h["ops_many_refs"] == h["ops_many_full"] == h["ops_many_fast"] == h["ops_one"]
+    # one host target, the default's (checks="refs", the default backend); full and fast are reported, not targets
+    (target,) = [t for t in doc["targets"] if t["target"].startswith("host work")]
+    assert target["target"] == "host work, Momentum: 2000x16 <= 3x 1x32000 (checks=refs, the default)"
+    assert target["status"] in ("PASS", "MISS") and target["measured"] == h["ratio_refs"]
+    assert target["dml_backend"] == h["backend"] == "fused"
     assert len(written) == 3 and json.loads(written[0])["complete"] is False  # after each task, then at the end
 
 
@@ -380,25 +402,28 @@ def test_the_none_pattern_row_at_its_quick_size(monkeypatch):
     assert rec["workload"] == "40x16x16" and rec["tensors"] == 40 and rec["present"] == 28
     assert rec["ratio_changing_to_steady"] == changing["ms_per_step"] / steady["ms_per_step"]
     assert rec["ratio_fused_to_ours"] is None
+    assert rec["auto_runs"] == "fused"  # what dml_optim auto ran, changing
 
 
 def test_the_construction_row_at_its_quick_size():
     rec = construction.measure_construction("adamw", torch.device("cpu"), torch.float32, lambda m: None, quick=True)
     assert rec["workload"] == "linear-16x64" and rec["tensors"] == 32 and rec["elements"] == 16 * (64 * 64 + 64)
     ours, fused = rec["rows"]
-    assert (ours["candidate"], ours["backend"], fused["candidate"]) == ("dml_optim auto", "eager", "torch fused")
+    # what auto ran (torch's fused kernel on the CPU), read from the optimizer: not a prediction by size
+    assert (ours["candidate"], ours["backend"], fused["candidate"]) == ("dml_optim auto", "fused", "torch fused")
+    assert rec["auto_backend"] == "fused" and fused["backend"] is None
     for r in rec["rows"]:
         assert set(r) == set(construction.ROW_FIELDS) and r["available"] and r["samples"] == 3
         assert r["cold_s"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"] and r["construct_ms"] > 0, r
     assert rec["ratio"] == ours["ms"] / fused["ms"] and rec["limit"] == 1.5
 
 
-def _speed_doc(times: dict[tuple[str, str], dict[str, float | str]], device: str = "cpu") -> dict:
+def _speed_doc(times: dict[tuple[str, str], dict[str, float | str]], device: str = "cpu", auto: str = "eager") -> dict:
     """A result document with speed rows: per (optimizer, workload), each candidate's ms per step (a string: n/a,
-    with that reason); the reference says dml_optim runs eager."""
+    with that reason); the reference says dml_optim runs ``auto``."""
     doc = {"device": device, "results": [], "references": []}
     for (optimizer, work), candidates in times.items():
-        doc["references"].append({"optimizer": optimizer, "workload": work, "auto_backend": "eager",
+        doc["references"].append({"optimizer": optimizer, "workload": work, "auto_backend": auto, "auto_runs": auto,
                                   "reference": "inplace-add"})
         for candidate, ms in candidates.items():
             measured = not isinstance(ms, str)
@@ -452,9 +477,9 @@ def test_record_targets_stores_each_rows_targets_beside_it():
     assert all(t in doc["targets"] for t in many["targets"] + one["targets"])  # copies of the document's list
 
 
-def nonepattern_record(optimizer: str, ms: dict[tuple[str, str], float | None]) -> dict:
+def nonepattern_record(optimizer: str, ms: dict[tuple[str, str], float | None], auto_runs: str | None = None) -> dict:
     """A None-pattern record as the row writes it (40x128x128), with these ms per step per (candidate, mode); a
-    missing one is 1.0 ms, None is n/a."""
+    missing one is 1.0 ms, None is n/a; ``auto_runs``: what dml_optim auto ran."""
     rows = []
     for candidate in nonepattern.CANDIDATES:
         for mode in nonepattern.MODES:
@@ -464,19 +489,20 @@ def nonepattern_record(optimizer: str, ms: dict[tuple[str, str], float | None]) 
                        ms_per_step=value, ms_min=value, ms_max=value, ops_per_step=value and 3.0,
                        distinct_step_counts=value and (20 if mode == "changing" else 1))
             rows.append(row)
-    return nonepattern.make_record(optimizer, nonepattern.workload(quick=False), 64, rows)
+    return nonepattern.make_record(optimizer, nonepattern.workload(quick=False), 64, rows, auto_runs)
 
 
-def construction_record(optimizer: str, *, ours: float, fused: float | None) -> dict:
-    """A construction record as the row writes it (linear-16x512), with these warm medians in ms (None: n/a)."""
+def construction_record(optimizer: str, *, ours: float, fused: float | None, backend: str = "compiled") -> dict:
+    """A construction record as the row writes it (linear-16x512), with these warm medians in ms (None: n/a);
+    ``backend``: what dml_optim auto ran."""
     rows = []
     for name, ms in zip(construction.CANDIDATES, (ours, fused)):
         row = construction.blank_row(name)
         row.update(available=ms is not None, reason=None if ms is not None else "RuntimeError: refused", ms=ms,
                    ms_min=ms, ms_max=ms, cold_s=ms and ms * 10 / 1e3, construct_ms=ms and ms / 2,
-                   first_step_ms=ms and ms / 2, samples=7, backend="compiled" if name == "dml_optim auto" else None)
+                   first_step_ms=ms and ms / 2, samples=7, backend=backend if name == "dml_optim auto" else None)
         rows.append(row)
-    return construction.make_record(optimizer, construction.workload(quick=False), "compiled", rows)
+    return construction.make_record(optimizer, construction.workload(quick=False), backend, rows)
 
 
 def test_the_none_pattern_targets():
@@ -519,3 +545,118 @@ def test_the_default_rows_and_workloads_have_the_new_rows():
     assert [t.label for t in plan.tasks] == [
         "construction: adamw on linear-16x64, construction + first step vs torch fused",
         "nonepattern: adamw on 40x16x16, None gradients changing every step"]
+
+
+# -- the fused backend: a candidate, what auto runs on the CPU, the host row's checks modes -----------------------
+
+
+def test_the_fused_candidate_says_why_it_cannot_run():
+    """``dml_optim fused`` is a speed candidate (before torch.optim's); off the CPU it is n/a with the reason, and a
+    dtype torch's kernels do not take makes it n/a with the library's reason instead of timing a fallback."""
+    from dml_optim.benchmark.candidates import CANDIDATES, TORCH_CANDIDATES, unavailable
+    from dml_optim.benchmark.speed import start_candidates
+
+    assert CANDIDATES.index("dml_optim fused") < CANDIDATES.index("torch for-loop")
+    assert TORCH_CANDIDATES == ("torch for-loop", "torch foreach", "torch fused")
+    assert unavailable("dml_optim fused", torch.device("cpu")) is None
+    assert unavailable("dml_optim fused", torch.device("cuda")).startswith("torch's fused kernels run on the CPU here")
+    cands, rows = start_candidates("adamw", benchmark.workload("many-small-16"), torch.device("cpu"), torch.bfloat16,
+                                   lambda m: None, ("dml_optim fused",))
+    assert cands == [] and not rows["dml_optim fused"]["available"]
+    assert rows["dml_optim fused"]["reason"].startswith("FusedFallbackWarning: ") and "bfloat16" in rows["dml_optim fused"]["reason"]
+
+
+def test_auto_backend_names_what_auto_runs():
+    """On the CPU, float32 and float64 with plain states: torch's fused kernel, whatever the size; otherwise the
+    backend ``auto`` resolves to by size (CUDA: eager or compiled), as before the fused backend."""
+    from dml_optim.backends import resolve
+    from dml_optim.benchmark.candidates import auto_backend
+
+    cpu = torch.device("cpu")
+    for optimizer in benchmark.OPTIMIZERS:
+        assert auto_backend(optimizer, cpu, torch.float32, 2**26) == "fused"
+    assert auto_backend("adam", cpu, torch.float64, 10) == "fused"
+    assert auto_backend("adam", cpu, torch.bfloat16, 2**26) == resolve("auto", cpu, 2**26)
+    assert auto_backend("adam", cpu, torch.float32, 2**26, capturable=True) == resolve("auto", cpu, 2**26)
+
+
+def test_a_cpu_speed_target_compares_the_fused_row():
+    """A speed target's "dml_optim" is the row the reference names (``dml_optim fused`` on the CPU), and its
+    ``dml_backend`` says what ran; a frozen row's own ``dml_optim auto`` says what it ran where the record knows."""
+    doc = _speed_doc({("adamw", "resnet50"): {"dml_optim fused": 10.0, "dml_optim compiled": 20.0, "torch fused": 11.0},
+                      ("adam", "many-small"): {"dml_optim fused": 1.0, "torch fused": 2.0, "torch foreach": 4.0}},
+                     auto="fused")
+    doc["references"].append({"optimizer": "adam", "workload": "lora-16x512-r8", "auto_backend": "auto",
+                              "auto_runs": "fused", "reference": "inplace-add"})
+    doc["results"] += [{"optimizer": "adam", "workload": "lora-16x512-r8", "candidate": c, "available": True,
+                        "reason": None, "ms_per_step": ms, "fraction_of_reference": 0.5}
+                       for c, ms in (("dml_optim auto", 1.0), ("torch fused", 1.5))]
+    target = _target(doc, "resnet50 AdamW >= 1.0x torch fused")
+    assert (target["status"], target["measured"], target["dml_backend"]) == ("PASS", 1.1, "fused")
+    assert _target(doc, "many-small Adam >= 3x torch foreach")["measured"] == 4.0
+    lora_target = _target(doc, "lora-16x512-r8 Adam >= 1.0x torch fused")
+    assert (lora_target["measured"], lora_target["dml_backend"], lora_target["row"]) == (1.5, "fused", "frozen")
+    del doc["references"][-1]["auto_runs"]  # a document recorded before auto_runs: the frozen rows say auto
+    assert _target(doc, "lora-16x512-r8 Adam >= 1.0x torch fused")["dml_backend"] == "auto"
+    benchmark.record_targets(doc)
+    for r in doc["results"]:  # (the fields the report prints)
+        r.update({**dict.fromkeys(ROW_FIELDS), **r, "gbs": 1.0, "first_step_ms": 1.0})
+    for ref in doc["references"]:
+        ref.update(reference_elements=1, reference_ms=1.0, reference_gbs=1.0, reference_kernel_gbs=None)
+    doc.update(schema=2, created="2026-11-27T00:00:00+00:00", complete=True, dtype="float32", elapsed_s=1.0,
+               machine={"torch": torch.__version__, "cpu_count": 2, "processor": "x86_64"}, errors=[], skipped=[],
+               memory=[], graphs=[], instances=[], host_work=[])
+    report = benchmark.format_report(doc).splitlines()
+    assert any(line.startswith("| adamw | resnet50 | dml_optim fused (auto) | 10.000 |") for line in report)
+    assert any(line.startswith("| adam | lora-16x512-r8 | dml_optim auto (auto) |") for line in report)
+    assert "| adamw | resnet50 | 10.000 (fused) |" in benchmark.format_summary(doc)
+
+
+def host_row(optimizer: str, *, refs: float, full: float, fast: float, one: float = 10.0, eager: float = 20.0,
+             eager_one: float = 15.0) -> dict:
+    """A host row as the row writes it today, with these microseconds per step (the default backend: fused)."""
+    us = {"refs": refs, "full": full, "fast": fast}
+    row = {"optimizer": optimizer, "backend": "fused", "checks": "refs", "threads": 1, "limit": 3.0}
+    row.update({f"us_many_{c}": v for c, v in us.items()}, us_one=one)
+    row.update({f"ratio_{c}": v / one for c, v in us.items()})
+    row.update({f"ops_many_{c}": 2 for c in us}, ops_one=2, eager_us_many=eager, eager_us_one=eager_one,
+               eager_ratio=eager / eager_one, eager_ops_many=8, eager_ops_one=8, samples=9)
+    return row
+
+
+def test_the_host_target_is_the_defaults_and_full_and_fast_are_reported():
+    from dml_optim.benchmark.report import host_table
+
+    new = host_row("adamw", refs=12.0, full=80.0, fast=13.0)
+    old = {"optimizer": "adam", "backend": "eager", "threads": 1, "limit": 3.0, "us_many_full": 50.0, "us_many_fast": 11.0,
+           "us_one": 10.0, "ratio_full": 5.0, "ratio_fast": 1.1, "ops_many_full": 7, "ops_many_fast": 7, "ops_one": 7,
+           "samples": 9}
+    doc = {"device": "cpu", "results": [], "references": [], "host_work": [new]}
+    (target,) = [t for t in benchmark.check_targets(doc) if t["target"].startswith("host work")]
+    assert (target["target"], target["status"], target["measured"], target["dml_backend"]) == (
+        "host work, AdamW: 2000x16 <= 3x 1x32000 (checks=refs, the default)", "PASS", 1.2, "fused")
+    header, _, line = host_table(doc)
+    assert header.startswith("| host work (cpu, 1 thread) | backend (auto) | 2000x16 us: checks=refs (default) / full / fast |")
+    assert line == "| adamw | fused | 12 / 80 / 13 | 10 | 1.20x | 8.00x | 1.30x | 20 / 15 | 1.33x | 2 / 2, 8 / 8 |"
+    # a row recorded before checks="refs" (eager, full and fast): its two targets and its table, as before
+    old_doc = {"device": "cpu", "results": [], "references": [], "host_work": [old]}
+    assert [(t["target"], t["status"], t["dml_backend"]) for t in benchmark.check_targets(old_doc)
+            if t["target"].startswith("host work")] == [
+        ("host work, Adam: 2000x16 <= 3x 1x32000 (checks=full)", "MISS", "eager"),
+        ("host work, Adam: 2000x16 <= 3x 1x32000 (checks=fast)", "PASS", "eager")]
+    assert host_table(old_doc)[2] == "| adam | 50 | 11 | 10 | 5.00x | 1.10x | 7 / 7 |"
+
+
+def test_the_tables_say_what_auto_ran():
+    """The construction and None-pattern tables name the backend that ran (fused on the CPU), not a guess by size."""
+    from dml_optim.benchmark.report import construction_table, nonepattern_table
+
+    doc = {"construction": [construction_record("adamw", ours=3.0, fused=2.5, backend="fused")],
+           "nonepattern": [nonepattern_record("adamw", {}, auto_runs="fused")]}
+    assert construction_table(doc)[2].startswith("| linear-16x512 | adamw | fused: 3.00 (3.00-3.00) | 2.50 (2.50-2.50) |")
+    assert nonepattern_table(doc)[2].startswith("| adamw | fused: 1.00 (1.00-1.00) | 1.00 (1.00-1.00) | 1.00x |")
+    doc["nonepattern"] = [nonepattern_record("adamw", {})]  # a record before auto_runs: the times alone
+    assert nonepattern_table(doc)[2].startswith("| adamw | 1.00 (1.00-1.00) | 1.00 (1.00-1.00) | 1.00x |")
+    targets = benchmark.check_targets({"device": "cpu", "results": [], "references": [], **doc})
+    assert {t["row"]: t["dml_backend"] for t in targets if t.get("optimizer") == "adamw"} == {
+        "nonepattern": "auto", "construction": "fused"}

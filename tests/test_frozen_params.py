@@ -6,19 +6,23 @@ Required behaviour (issue "Frozen and intermittently trained parameters"):
   no ops, as in torch.optim; once unfrozen, the next step takes them in with
   fresh state (as torch.optim creates it) and leaves the others' state alone;
 * the ops per step do not grow with how trainable and frozen parameters
-  interleave, nor with a pattern of ``None`` gradients.  The bound checked
+  interleave, nor with a pattern of ``None`` gradients.  For the eager op
+  chain (what DirectML runs: ``backend="eager"``) the bound checked
   (:func:`op_bound`): per distinct step count among the parameters that have
   a gradient, the rule's ops (counted by hand, ``Pair.rule_ops``; 6 for Adam
   with epsilon 0) + 1 (the gather of that class's fresh gradients): Adam's
   "about 7 per class"; plus, once, 2 ops per flat tensor of the buffer + 2 for
   re-packing classes that ``None`` gradients left in pieces (one ``cat`` and
   one copy per flat tensor; one gather and one zeroing of the slots of
-  ``None`` gradients);
+  ``None`` gradients).  The CPU's default (``auto``: torch's fused kernel on
+  the flat buffer, ``dml_optim/fused.py``) has its own count,
+  :data:`FUSED_STEP_OPS` a step whatever the runs of ``None`` gradients;
 * torch.optim's semantics stay exact: a parameter without a gradient keeps its
   state and its step count.
 
-Every reference is torch.optim itself (``foreach=False``), built by hand with
-torch's own keyword names, or a count kept by the test.
+Every reference is torch.optim itself (``foreach=False``; the fused backend's:
+``fused=True``, equal bit for bit), built by hand with torch's own keyword
+names, or a count kept by the test.
 """
 
 from __future__ import annotations
@@ -33,16 +37,27 @@ from tolerances import TORCH_ADAM_FLOAT32, assert_close
 from torch import nn
 
 import dml_optim
-from dml_optim.opcount import count_ops
+from dml_optim import backends
+from dml_optim.opcount import OpRecorder, count_ops
 
 # -- optimizer pairs (ours, torch.optim twin written by hand) ---------------------------------
+
+
+#: torch.optim's implementations the twins run: the single-tensor reference (the default), or torch's fused
+#: kernels (the twin of our fused backend, which runs the same kernels: equal bit for bit)
+SINGLE_TENSOR = dict(foreach=False)
+FUSED = dict(fused=True)
+#: Ops of a step of a buffer that runs torch's fused kernel with one step count (``dml_optim.fused.run``):
+#: one write of the step-number tensors and one kernel call, whatever the runs of ``None`` gradients.
+FUSED_STEP_OPS = 2
 
 
 @dataclass(frozen=True)
 class Pair:
     id: str
-    ours: Callable[[list], torch.optim.Optimizer]
-    theirs: Callable[[list], torch.optim.Optimizer]
+    #: ours(params, **options) (options: ``backend=...``); theirs(params, **implementation) (SINGLE_TENSOR by default)
+    ours: Callable[..., torch.optim.Optimizer]
+    theirs: Callable[..., torch.optim.Optimizer]
     state_names: tuple[str, ...]
     #: Work ops of the eager rule over one class, counted by hand from the rule:
     #: Adam (norm_coefficient 0, epsilon 0): V*=a, V+=(1-a)G, H*=b, H+=(1-b)G*G, sqrt, X+=-s*V/den = 6
@@ -60,22 +75,23 @@ class Pair:
 
 ADAM = Pair(
     "adam",
-    lambda ps: dml_optim.Adam(ps, lr=1e-3, alpha=0.8, beta=0.99, epsilon=0.0),
-    lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.8, 0.99), eps=0.0, foreach=False),
+    lambda ps, **kw: dml_optim.Adam(ps, lr=1e-3, alpha=0.8, beta=0.99, epsilon=0.0, **kw),
+    lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, betas=(0.8, 0.99), eps=0.0, **(kw or SINGLE_TENSOR)),
     ("exp_avg", "exp_avg_sq"),
     rule_ops=6,
 )
 ADAMW = Pair(
     "adamw",
-    lambda ps: dml_optim.AdamW(ps, lr=1e-3, betas=(0.85, 0.99), eps=1e-8, weight_decay=0.05),
-    lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.85, 0.99), eps=1e-8, weight_decay=0.05, foreach=False),
+    lambda ps, **kw: dml_optim.AdamW(ps, lr=1e-3, betas=(0.85, 0.99), eps=1e-8, weight_decay=0.05, **kw),
+    lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, betas=(0.85, 0.99), eps=1e-8, weight_decay=0.05,
+                                       **(kw or SINGLE_TENSOR)),
     ("exp_avg", "exp_avg_sq"),
     rule_ops=8,
 )
 MOMENTUM = Pair(
     "momentum",
-    lambda ps: dml_optim.Momentum(ps, lr=5e-2, alpha=0.9, beta=0.8),
-    lambda ps: torch.optim.SGD(ps, lr=5e-2, momentum=0.9, dampening=0.2, foreach=False),
+    lambda ps, **kw: dml_optim.Momentum(ps, lr=5e-2, alpha=0.9, beta=0.8, **kw),
+    lambda ps, **kw: torch.optim.SGD(ps, lr=5e-2, momentum=0.9, dampening=0.2, **(kw or SINGLE_TENSOR)),
     ("momentum_buffer",),
     rule_ops=3,
     torch_has_step=False,
@@ -181,18 +197,25 @@ def _assert_states_like_torch(opt, topt, pair: Pair, **override):
 # -- LoRA: state, ops and updates ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["eager", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
-def test_lora_model_equals_torch_with_trainable_state_and_ops_only(pair, dtype):
+def test_lora_model_equals_torch_with_trainable_state_and_ops_only(pair, dtype, backend):
     """16 frozen Linear layers each followed by a trainable adapter; ``model.parameters()`` (all of
-    them) given to both optimizers; 30 steps."""
+    them) given to both optimizers; 30 steps.  A step costs what the same optimizer over the trainable
+    parameters alone costs: ``eager`` (the op chain DirectML runs) the rule's hand-counted ops, against
+    torch's single-tensor twin; ``auto`` (on the CPU, torch's fused kernel over the flat buffer)
+    ``FUSED_STEP_OPS``, bit for bit equal to torch's ``fused=True`` twin (the adapters' sizes are whole
+    units of the kernel, matrix.FUSED_UNIT_ELEMENTS)."""
+    fused = backend == "auto"
     model = lora_model(dtype=dtype)
     twin = copy.deepcopy(model)
     trainable_only = copy.deepcopy(model)
     frozen_before = [p.detach().clone() for p in model.parameters() if not p.requires_grad]
-    opt = pair.ours(list(model.parameters()))
-    topt = pair.theirs(list(twin.parameters()))
-    only = pair.ours([p for p in trainable_only.parameters() if p.requires_grad])
+    opt = pair.ours(list(model.parameters()), backend=backend)
+    topt = pair.theirs(list(twin.parameters()), **(FUSED if fused else SINGLE_TENSOR))
+    only = pair.ours([p for p in trainable_only.parameters() if p.requires_grad], backend=backend)
+    exact = dict(rtol=0, atol=0) if fused else tol(pair, dtype)
 
     ops = {}
     for step, (x, y) in enumerate(_batches(30, D, dtype)):
@@ -209,14 +232,16 @@ def test_lora_model_equals_torch_with_trainable_state_and_ops_only(pair, dtype):
         topt.zero_grad()
         _loss(twin, x, y).backward()
         topt.step()
-        _assert_models_close(model, twin, **tol(pair, dtype))
+        _assert_models_close(model, twin, **exact)
 
     assert ops["lora"] == ops["only"], ops
-    assert ops["lora"] == pair.rule_ops, ops  # one buffer, one step class: the rule's ops, nothing else
+    # one buffer, one step class: the rule's ops (one fused kernel call and its step numbers), nothing else
+    assert ops["lora"] == (FUSED_STEP_OPS if fused else pair.rule_ops), ops
+    assert backends.resolved_backends(opt) == backends.resolved_backends(only) == [["fused" if fused else "eager"]]
     for p, before in zip([p for p in model.parameters() if not p.requires_grad], frozen_before):
         assert torch.equal(p, before)
         assert p.grad is None
-    _assert_states_like_torch(opt, topt, pair, **tol(pair, dtype))
+    _assert_states_like_torch(opt, topt, pair, **exact)
     trainable = {i for i, p in enumerate(model.parameters()) if p.requires_grad}
     assert set(opt.state_dict()["state"]) == trainable
 
@@ -331,18 +356,19 @@ def _mask_on_cpu(monkeypatch) -> None:
 SHAPES = [(7,), (3, 4), (), (2, 3, 2), (9,), (4, 4), (1,), (5, 2), (6,), (2, 2, 2), (3,), (8,)]
 
 
-def _none_pattern_run(pair: Pair, steps: int = 50, seed: int = 5, check_every_step=None):
-    """Random None-gradient patterns over ``steps`` steps, ours and torch side by side.
+def _none_pattern_run(pair: Pair, backend: str, steps: int = 50, seed: int = 5, check_every_step=None):
+    """Random None-gradient patterns over ``steps`` steps, ours (``backend``) and torch side by side.
 
     Two ways to hand gradients over, alternating: ``zero_grad(set_to_none=True)`` then fresh
     tensors for a random subset; or ``zero_grad()`` (views kept, None stays None), writing into
     the existing gradient views, fresh tensors for parameters without one, and ``None`` for the
-    ones left out this step.  Yields per step ``(k, ops, distinct_active_counts)``.
+    ones left out this step.  Yields per step ``(k, recorder, distinct_active_counts, ...)``, the
+    recorder of the step's ops.
     """
     gen = torch.Generator().manual_seed(seed)
     ps = [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES]
     ts = [nn.Parameter(p.detach().clone()) for p in ps]
-    opt, topt = pair.ours(ps), pair.theirs(ts)
+    opt, topt = pair.ours(ps, backend=backend), pair.theirs(ts)
     counts = [0] * len(ps)  # our own count of the steps each parameter took (torch.optim's semantics)
     for k in range(steps):
         active = (torch.rand(len(ps), generator=gen) < 0.5).tolist()
@@ -368,11 +394,23 @@ def _none_pattern_run(pair: Pair, steps: int = 50, seed: int = 5, check_every_st
             if a:
                 t.grad = gr.clone()
         distinct = len({counts[i] for i, a in enumerate(active) if a})
-        ops = count_ops(opt.step)
+        recorder = OpRecorder(compiled=True)
+        with recorder:
+            opt.step()
         topt.step()
         for i, a in enumerate(active):
             counts[i] += a
-        yield k, ops, distinct, (opt, topt, ps, ts, counts)
+        yield k, recorder, distinct, (opt, topt, ps, ts, counts)
+
+
+def _assert_counts_like_torch(pair: Pair, opt, topt, ps, counts, k) -> None:
+    """Each parameter's step count is the test's own count, and torch.optim's."""
+    if pair.torch_has_step:
+        tstate = topt.state_dict()["state"]
+        assert [float(tstate[i]["step"]) if i in tstate else 0.0 for i in range(len(ps))] == [float(c) for c in counts]
+    (info,) = opt.flat_buffers()
+    ours_counts = dict(zip(info.param_indices, info.step_counts))
+    assert [ours_counts[i] for i in range(len(ps))] == counts, k
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
@@ -381,48 +419,111 @@ def test_random_none_gradients_equal_torch_and_ops_stay_bounded(pair, monkeypatc
     torch.optim's; ops per step <= ``op_bound`` of the distinct step counts among the parameters
     with a gradient (from the test's own count, which torch's ``step`` confirms).  The first step
     (which allocates the states) is not bounded.  The bound is DirectML's (ops are what a step costs
-    there): the CPU takes DirectML's policy (masked updates) for this test; its own, one update per
-    run, is tested for equality in ``test_changing_none_patterns_step_in_place_per_run...``."""
+    there): the eager op chain, and the CPU takes DirectML's policy (masked updates) for this test; its
+    own, one update per run, is tested for equality in ``test_changing_none_patterns_step_in_place_per_run...``,
+    and its default, torch's fused kernel, in ``test_random_none_gradients_on_the_fused_path...``."""
     _mask_on_cpu(monkeypatch)
     bound_used = []
-    for k, ops, distinct, (opt, topt, ps, ts, counts) in _none_pattern_run(pair):
+    for k, recorder, distinct, (opt, topt, ps, ts, counts) in _none_pattern_run(pair, "eager"):
+        ops = recorder.ops
         for p, t in zip(ps, ts):
             assert_close(p.detach(), t.detach())
-        if pair.torch_has_step:
-            tstate = topt.state_dict()["state"]
-            assert [float(tstate[i]["step"]) if i in tstate else 0.0 for i in range(len(ps))] == [float(c) for c in counts]
-        (info,) = opt.flat_buffers()
-        ours_counts = dict(zip(info.param_indices, info.step_counts))
-        assert [ours_counts[i] for i in range(len(ps))] == counts, k
+        _assert_counts_like_torch(pair, opt, topt, ps, counts, k)
         if k > 0:
             bound = op_bound(pair, distinct)
             assert ops <= bound, (k, ops, distinct, bound)
             bound_used.append((ops, distinct))
     _assert_states_like_torch(opt, topt, pair)
+    assert backends.resolved_backends(opt) == [["eager"]]
     # the pattern really did produce several step counts at once (the bound is not vacuous)
     assert max(d for _, d in bound_used) >= 3
 
 
-def test_ops_per_step_do_not_grow_with_none_gradient_runs():
-    """Once the counts are equal again, the same None pattern costs the same as one class: with every
-    other parameter None for many steps in a row, a steady step runs the rule once (plus the fixed
-    gather/zero of the re-pack constant at most), whatever the number of runs."""
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+def test_random_none_gradients_on_the_fused_path_equal_torch(pair):
+    """The CPU's default (``auto``: torch's fused kernel over runs of the flat buffer, no re-pack, no masked
+    update) under the same 50 random None-gradient patterns: parameters, states and step counts equal
+    torch.optim's, and a step calls the kernel at most once per distinct step count among the parameters
+    with a gradient (AdamW once whatever the counts: each tensor carries its own)."""
+    most = 0
+    for k, recorder, distinct, (opt, topt, ps, ts, counts) in _none_pattern_run(pair, "auto"):
+        for p, t in zip(ps, ts):
+            assert_close(p.detach(), t.detach())
+        _assert_counts_like_torch(pair, opt, topt, ps, counts, k)
+        calls = sum(n for name, n in recorder.counts().items() if name.startswith("aten::_fused_"))
+        assert 1 <= calls <= (1 if pair is ADAMW else distinct), (k, dict(recorder.counts()), distinct)
+        most = max(most, distinct)
+    assert backends.resolved_backends(opt) == [["fused"]]
+    _assert_states_like_torch(opt, topt, pair)
+    assert most >= 3
+
+
+#: Which of 20 parameters have a gradient, step after step: 1, 2, 5 and 10 runs of them.
+RUN_PATTERNS = {1: lambda i: i < 10, 2: lambda i: i < 5 or 10 <= i < 15, 5: lambda i: i % 4 < 2,
+                10: lambda i: i % 2 == 0}
+
+
+def _steady_ops(backend: str, runs: int, size: int = 4) -> tuple[list[OpRecorder], list, torch.optim.Optimizer]:
+    """20 parameters of ``size`` elements, the ones of ``RUN_PATTERNS[runs]`` with a fresh gradient every step
+    (the others None, from the first step on: one step count among those with a gradient); the recorders of
+    4 steps after the first, the gradients of the last, and the optimizer."""
     torch.manual_seed(6)
-    ps = [nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(20)]
-    opt = dml_optim.Adam(ps, lr=1e-2, epsilon=1e-6)
-    active = [i % 2 == 0 for i in range(20)]
-    for p, a in zip(ps, active):
-        p.grad = torch.randn(4, dtype=torch.float64) if a else None
+    ps = [nn.Parameter(torch.randn(size, dtype=torch.float64)) for _ in range(20)]
+    opt = dml_optim.Adam(ps, lr=1e-2, epsilon=1e-6, backend=backend)
+    active = [RUN_PATTERNS[runs](i) for i in range(20)]
+    grads = [torch.randn(size, dtype=torch.float64) if a else None for a in active]
+    for p, g in zip(ps, grads):
+        p.grad = g
     opt.step()  # allocates
-    ops = []
+    recorders = []
     for _ in range(4):
-        for p, a in zip(ps, active):
-            p.grad = torch.randn(4, dtype=torch.float64) if a else None
-        ops.append(count_ops(opt.step))
+        # (the last step's gradients stay alive while the new ones are made, as in a training loop that
+        # keeps them until backward: Python ids are not reused)
+        grads = [torch.randn(size, dtype=torch.float64) if a else None for a in active]
+        for p, g in zip(ps, grads):
+            p.grad = g
+        recorders.append(OpRecorder(compiled=True))
+        with recorders[-1]:
+            opt.step()
+    return recorders, list(zip(ps, grads)), opt
+
+
+def test_ops_per_step_do_not_grow_with_none_gradient_runs():
+    """The eager op chain (DirectML's): once the counts are equal again, the same None pattern costs the same
+    as one class: with every other parameter None for many steps in a row, a steady step runs the rule once
+    (plus the fixed gather/zero of the re-pack constant at most), whatever the number of runs."""
+    ops = [r.ops for r in _steady_ops("eager", 10)[0]]
     # 10 interleaved runs of parameters with a gradient, one step count among them: Adam's 7 rule
     # ops (epsilon > 0), one gather of the fresh gradients, one zeroing of the None slots at most
     assert max(ops) <= 7 + 1 + repack_ops(ADAM), ops
     assert ops[-1] <= 7 + 2, ops
+    steady = {runs: _steady_ops("eager", runs)[0][-1].ops for runs in RUN_PATTERNS}
+    assert len(set(steady.values())) == 1, steady  # the same whatever the number of runs
+
+
+@pytest.mark.parametrize("size", [4, "in-place"])
+def test_fused_ops_per_step_do_not_grow_with_none_gradient_runs(size):
+    """The CPU's default (``auto``: torch's fused kernel over runs of the flat buffer, no re-pack): with 1, 2, 5
+    or 10 runs of parameters with a gradient at one step count, every step is one kernel call and one write
+    of its step numbers, plus, for small parameters, the gather of the fresh gradients (one ``cat`` and the
+    zero it reads for the None slots); parameters of ``LIST_MIN_ELEMENTS`` elements have their fresh
+    gradients read where they are (no gather: ``p.grad`` stays the caller's tensor)."""
+    from dml_optim.fused import LIST_MIN_ELEMENTS
+
+    in_place = size == "in-place"
+    counts = {}
+    for runs in RUN_PATTERNS:
+        recorders, last, opt = _steady_ops("auto", runs, LIST_MIN_ELEMENTS if in_place else size)
+        assert backends.resolved_backends(opt) == [["fused"]]
+        for r in recorders:
+            kernels = {name: n for name, n in r.counts().items() if name.startswith("aten::_fused_")}
+            assert kernels == {"aten::_fused_adam_": 1}, (runs, dict(r.counts()))
+        counts[runs] = [r.ops for r in recorders]
+        if in_place:
+            assert all(p.grad is g for p, g in last)
+    every = {ops for per_pattern in counts.values() for ops in per_pattern}
+    assert len(every) == 1, counts  # the same every step, whatever the number of runs
+    assert (every == {FUSED_STEP_OPS}) if in_place else (max(every) <= FUSED_STEP_OPS + 2), counts
 
 
 # -- interleaving ---------------------------------------------------------------------------------------
@@ -774,8 +875,9 @@ def test_changing_none_patterns_step_once_in_place_and_equal_torch(pair, backend
 
 @pytest.mark.slow
 def test_auto_compiles_the_masked_update_of_a_large_buffer(monkeypatch):
-    """``backend="auto"`` runs the masked update of a buffer from ``AUTO_COMPILE_MIN_ELEMENTS_MASKED`` on as
-    one compiled kernel (CUDA's policy, given to the CPU here), equal to the eager masked update."""
+    """``backend="auto"`` runs the masked update of a buffer (one torch's fused kernel cannot run) from
+    ``AUTO_COMPILE_MIN_ELEMENTS_MASKED`` on as one compiled kernel (CUDA's policy, given to the CPU here),
+    equal to the eager masked update."""
     from dml_optim import compiled
     from dml_optim.backends import AUTO_COMPILE_MIN_ELEMENTS_MASKED
 
@@ -787,7 +889,9 @@ def test_auto_compiles_the_masked_update_of_a_large_buffer(monkeypatch):
     for backend in ("auto", "eager"):
         torch.manual_seed(3)
         ps = [nn.Parameter(torch.randn(size)) for _ in range(8)]
-        opt = dml_optim.AdamW(ps, lr=1e-2, backend=backend)
+        # (a rule torch's fused kernel does not compute, the post-update decay: auto's fused backend, which
+        # steps runs of the buffer without a masked update, would take a plain buffer)
+        opt = dml_optim.Adam(ps, lr=1e-2, norm_coefficient_post=1e-3, backend=backend)
         for k in range(4):
             for i, p in enumerate(ps):
                 p.grad = torch.full_like(p, 0.1 * (i + 1)) if (i + k) % 3 else None

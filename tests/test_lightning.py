@@ -1,8 +1,11 @@
 """Lightning's Trainer with our optimizers, against torch.optim under the same Trainer.
 
-``configure_optimizers`` returns one of ours (or its torch.optim twin, tests/_frameworks.py)
-with ``OneCycleLR`` at its defaults (``cycle_momentum=True``: it cycles ``betas[0]`` or
-``momentum`` every step), or with ``ReduceLROnPlateau`` on the logged loss.  Every fit clips
+``configure_optimizers`` returns one of ours (or its torch.optim twin, tests/_frameworks.py:
+Momentum's is compared bit for bit, and it is torch's fused SGD where Lightning builds it on CPU
+float32 parameters, as our default backend runs torch's fused kernel there; torch's default SGD
+for ``16-true``/``bf16-true`` and on a GPU) with ``OneCycleLR`` at its defaults
+(``cycle_momentum=True``: it cycles ``betas[0]`` or ``momentum`` every step), or with
+``ReduceLROnPlateau`` on the logged loss.  Every fit clips
 (``gradient_clip_val``; the gradient norm before clipping is recorded and exceeds the limit).
 Precisions: ``32-true``, ``bf16-mixed`` (autocast to bfloat16), ``16-mixed`` (autocast to float16
 and a GradScaler), and ``16-true``/``bf16-true`` (the module cast before ``configure_optimizers``).
@@ -152,7 +155,9 @@ def test_fit_with_clipping_and_onecycle_equals_torch(pair, precision):
 def test_16_mixed_with_gradient_clipping_without_a_scheduler(precision):
     """The clipping row alone: Lightning's MixedPrecision.clip_gradients refuses an optimizer whose
     ``_step_supports_amp_scaling`` is True ("does not allow for gradient clipping"); ours, with
-    float32 gradients, is clipped after GradScaler's own unscale, like torch.optim."""
+    float32 gradients, is clipped after GradScaler's own unscale, like torch.optim.  Its twin, torch's
+    fused SGD, would be refused as well (a fused torch optimizer unscales inside its kernel):
+    ``torch_twin`` puts it on GradScaler's own path, the one ours takes."""
     pair = BY_ID["momentum"]
     ours, _, trainer = _fit(pair.ours, precision, onecycle=False, max_epochs=EPOCHS)
     theirs, _, torch_trainer = _fit(pair.theirs, precision, onecycle=False, max_epochs=EPOCHS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from collections import Counter
 
 import pytest
@@ -19,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dml_optim
 from dml_optim.cli import main
 from dml_optim.optimizers.dml_adam import UINT32_MAX
-from tolerances import assert_close
+from tolerances import assert_close, assert_close_to_reference
 from introspect import buffers
-from matrix import cases, classes
+from matrix import cases, classes, fused_cases
 
 F64 = torch.float64
 
@@ -113,52 +114,78 @@ def test_none_grad_params_are_skipped_exactly_like_torch_optim():
     assert steps == {0: 7.0, 1: 7.0, 2: 7.0, 3: 8.0}  # 10 steps minus the skips
 
 
-@pytest.mark.parametrize("case,masked",
-                         [pytest.param(p.values[0], m, id=f"{p.id}-{'masked' if m else 'per-run'}", marks=p.marks)
-                          for p in cases(variants="all", dtypes=(F64,), devices=("cpu",)) for m in (False, True)]
-                         + [pytest.param(p.values[0], False, id=f"{p.id}-per-run", marks=p.marks)
-                            for p in cases(dtypes=(F64,), devices=("cpu",), backends=("compiled",))])
-def test_changing_none_patterns_follow_the_reference_per_parameter(case, masked, monkeypatch):
+#: How the changing None patterns step: per run (the CPU's eager and compiled way) or masked (DirectML's and
+#: CUDA's, given to the CPU); fused (torch's kernel over runs of the flat buffer), with small parameters
+#: (the fresh gradients gathered first) or parameters of LIST_MIN_ELEMENTS (read in place)
+NONE_PATTERN_CASES = (
+    [pytest.param(p.values[0], m, id=f"{p.id}-{m}", marks=p.marks)
+     for p in cases(variants="all", dtypes=(F64,), devices=("cpu",)) for m in ("per-run", "masked")]
+    + [pytest.param(p.values[0], "per-run", id=f"{p.id}-per-run", marks=p.marks)
+       for p in cases(dtypes=(F64,), devices=("cpu",), backends=("compiled",))]
+    # float64, and DmlAdam's float32 (its epsilon mapping depends on the step count: one call per count)
+    + [pytest.param(p.values[0], m, id=f"{p.id}-{m}", marks=p.marks)
+       for p in fused_cases(variants="all", dtypes="widest") for m in ("gathered", "in-place")]
+)
+
+
+@pytest.mark.parametrize("case,path", NONE_PATTERN_CASES)
+def test_changing_none_patterns_follow_the_reference_per_parameter(case, path, monkeypatch):
     """Every variant, under ``None`` gradients that change every step (parameters at several step counts:
     one update per run, the CPU's way, or one masked update, DirectML's and CUDA's, given to the CPU
-    here): each parameter with a gradient takes the float64 reference step from its own pre-step values
-    and its own count; each one without keeps its values and state bit for bit."""
-    if masked:
-        from dml_optim import backends
+    here; torch's fused kernel over the runs, the CPU's default): each parameter with a gradient takes the
+    float64 reference step from its own pre-step values and its own count; each one without keeps its
+    values and state bit for bit."""
+    from dml_optim import backends
+    from dml_optim.fused import FusedFallbackWarning, LIST_MIN_ELEMENTS
+
+    if path == "masked":
         from dml_optim.optimizers import engine
 
         monkeypatch.setattr(engine, "MASKED_DEVICES", (*engine.MASKED_DEVICES, "cpu"))
         monkeypatch.setitem(backends.AUTO_COMPILE_MIN_ELEMENTS_MASKED, "cpu", 1 << 16)
     gen = torch.Generator().manual_seed(21)
     shapes = [(5,), (2, 3), (), (4,), (3, 1), (7,), (2, 2), (1,), (6,), (3,)]
+    if path == "in-place":  # (every parameter large enough: whatever the pattern, the gradients average that)
+        shapes = [(LIST_MIN_ELEMENTS + 3 * i,) if i % 2 else (2, LIST_MIN_ELEMENTS // 2 + i) for i in range(len(shapes))]
     params = case.params(shapes, seed=4)
     opt = case.build(params, backend=case.backend)
     counts = [0] * len(params)
     distinct = 0
-    for k in range(7):
-        active = [(i * 7 + k * 3) % 5 < 3 or k == 0 for i in range(len(params))]
-        distinct = max(distinct, len({c for c, a in zip(counts, active) if a}))
-        grads = [case.randn(s, gen) if a else None for s, a in zip(shapes, active)]
-        state = copy.deepcopy(opt.state_dict()["state"])
-        before = [p.detach().clone() for p in params]
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-        after = opt.state_dict()["state"]
-        for i, (p, g) in enumerate(zip(params, grads)):
-            if g is None:
-                assert torch.equal(p.detach(), before[i]), (k, i)
-                for name in case.states if i in state else ():
-                    assert torch.equal(after[i][name], state[i][name]), (k, i, name)
-                continue
-            old = [state[i][n] if i in state else torch.full_like(before[i], case.cls.initial_state(opt.param_groups[0], n))
-                   for n in case.states]
-            x, s = case.reference_step(case.hyper, counts[i], before[i], g, old)
-            assert_close(p.detach(), x)
-            for name, ref in zip(case.states, s):
-                assert_close(after[i][name], ref)
-            counts[i] += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusedFallbackWarning)
+        for k in range(7):
+            active = [(i * 7 + k * 3) % 5 < 3 or k == 0 for i in range(len(params))]
+            distinct = max(distinct, len({c for c, a in zip(counts, active) if a}))
+            grads = [case.randn(s, gen) if a else None for s, a in zip(shapes, active)]
+            state = copy.deepcopy(opt.state_dict()["state"])
+            before = [p.detach().clone() for p in params]
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+            if case.backend == "fused":  # the fresh gradients were read where they are, or gathered
+                present = [(p, g) for p, g in zip(params, grads) if g is not None]
+                if path == "in-place":
+                    assert all(p.grad is g for p, g in present), k
+                else:
+                    lo, hi = _flat_range(opt, "grad")
+                    assert all(p.grad is not g and lo <= p.grad.data_ptr() < hi for p, g in present), k
+            after = opt.state_dict()["state"]
+            for i, (p, g) in enumerate(zip(params, grads)):
+                if g is None:
+                    assert torch.equal(p.detach(), before[i]), (k, i)
+                    for name in case.states if i in state else ():
+                        assert torch.equal(after[i][name], state[i][name]), (k, i, name)
+                    continue
+                old = [state[i][n] if i in state else torch.full_like(before[i], case.cls.initial_state(opt.param_groups[0], n))
+                       for n in case.states]
+                x, s = case.reference_step(case.hyper, counts[i], before[i], g, old)
+                assert_close_to_reference(p.detach(), x)
+                for name, ref in zip(case.states, s):
+                    assert_close_to_reference(after[i][name], ref)
+                counts[i] += 1
     assert distinct >= 2  # several step counts at once: masked updates
+    if case.backend == "fused":
+        assert backends.resolved_backends(opt) == [["fused"]]
 
 
 def test_step_with_no_gradient_at_all_changes_nothing():

@@ -17,6 +17,12 @@ Each matrix case (optimizer variant x dtype x backend x device) is compared, at 
 The backend axis: every case eager; each optimizer's default variant compiled
 (slow) in float32, the dtype models train in (the compiled float64 coefficients
 have their own test in ``test_backends.py``); a compile fallback fails the test.
+And ``fused`` (torch's fused CPU kernels on the flat buffers, what ``auto`` runs
+on the CPU): every variant the kernels take, in float32 and float64, against
+torch's ``fused=True`` twin *bit for bit* (parameters and states, every step)
+and against the float64 reference like the eager cases; a fused fallback fails
+the test.  ``backend="fused"`` where it cannot run warns once and runs what
+``auto`` runs (:func:`test_fused_where_it_cannot_run_warns_once_and_follows_the_reference`).
 """
 
 from __future__ import annotations
@@ -29,22 +35,29 @@ import torch
 import dml_optim
 import dml_optim.backends
 from dml_optim import compiled
+from dml_optim.fused import FusedFallbackWarning
 from dml_optim.optimizers import registry
-from matrix import ENTRIES, Case, cases, classes
+from matrix import ENTRIES, FUSED_UNIT_ELEMENTS, Case, case_of, cases, classes, fused_cases
 from tolerances import assert_close, assert_close_to_reference
 
 STEPS = 50
 SHAPES = [(), (7,), (5, 3), (4, 3, 3, 3)]
+#: The same ranks in whole units of torch's fused kernels (matrix.FUSED_UNIT_ELEMENTS): a fused case equals
+#: its ``fused=True`` twin bit for bit over these; over SHAPES, to rounding (its reference cases take SHAPES)
+UNIT_SHAPES = [(FUSED_UNIT_ELEMENTS,), (2 * FUSED_UNIT_ELEMENTS,), (4, FUSED_UNIT_ELEMENTS // 4 * 3),
+               (2, 2, 2, FUSED_UNIT_ELEMENTS // 2)]
 #: Which parameter goes to which group: 0-d and conv in group 0, 1-d and 2-d in group 1.
 GROUPS = [[0, 3], [1, 2]]
 #: state_dict() numbers parameters in param-group order: index k is parameter ORDER[k].
 ORDER = [i for idx in GROUPS for i in idx]
 
 # eager: every variant in every dtype; compiled (slow): each optimizer's default variant in float32,
-# whose graphs (one per group structure) both tests share
+# whose graphs (one per group structure) both tests share; fused: every variant torch's fused kernels take,
+# in float32 and float64 (no compile: as cheap as the eager cases)
 COMPILED = dict(backends=("compiled",), dtypes=(torch.float32,))
-TORCH_CASES = cases(variants="all", twin=True, low_precision=False) + cases(twin=True, **COMPILED)
-REFERENCE_CASES = cases(variants="all") + cases(**COMPILED)
+TORCH_CASES = (cases(variants="all", twin=True, low_precision=False) + cases(twin=True, **COMPILED)
+               + fused_cases(variants="all", twin=True))
+REFERENCE_CASES = cases(variants="all") + cases(**COMPILED) + fused_cases(variants="all")
 
 
 def _lr(step: int, base: float) -> float:
@@ -54,20 +67,21 @@ def _lr(step: int, base: float) -> float:
 
 @pytest.fixture
 def compile_fallbacks_fail():
-    """A compiled case that fell back to eager would test eager twice."""
+    """A compiled (or fused) case that fell back to eager would test eager twice."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", compiled.CompileFallbackWarning)
+        warnings.simplefilter("error", FusedFallbackWarning)
         yield
 
 
-def _initial(case: Case):
+def _initial(case: Case, shapes=SHAPES):
     g = torch.Generator().manual_seed(1234)
-    return [case.randn(s, g) for s in SHAPES]
+    return [case.randn(s, g) for s in shapes]
 
 
-def _grads(case: Case, step: int):
+def _grads(case: Case, step: int, shapes=SHAPES):
     g = torch.Generator().manual_seed(10_000 + step)
-    return [case.randn(s, g) for s in SHAPES]
+    return [case.randn(s, g) for s in shapes]
 
 
 def _split(params):
@@ -107,43 +121,48 @@ def test_the_registry_twin_is_the_matrix_twin(case: Case):
 
 @pytest.mark.parametrize("case", TORCH_CASES)
 def test_matches_torch_optim_every_step(case: Case, compile_fallbacks_fail):
-    ours_p, ref_p = ([torch.nn.Parameter(t.clone()) for t in _initial(case)] for _ in range(2))
+    """A fused case runs the kernels of its ``fused=True`` twin: over parameters of whole kernel units its
+    parameters and states are equal bit for bit at every step; the others agree to the dtype's tolerance."""
+    shapes = UNIT_SHAPES if case.bit_exact_twin else SHAPES
+    ours_p, ref_p = ([torch.nn.Parameter(t.clone()) for t in _initial(case, shapes)] for _ in range(2))
     ours = case.build(case.groups(*_split(ours_p)))
     ref = case.twin(case.groups(*_split(ref_p)))
     tol = case.torch_tolerance()
     for step in range(STEPS):
-        for p, q, g in zip(ours_p, ref_p, _grads(case, step)):
+        for p, q, g in zip(ours_p, ref_p, _grads(case, step, shapes)):
             p.grad = g.clone()
             q.grad = g.clone()
         ours.step()
         ref.step()
-        for p, q in zip(ours_p, ref_p):
-            assert_close(p.detach(), q.detach(), **tol)
+        for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+            if case.bit_exact_twin:
+                assert torch.equal(p.detach(), q.detach()), (step, i)
+                for name in case.states:
+                    assert torch.equal(ours.state[p][name], ref.state[q][name]), (step, i, name)
+            else:
+                assert_close(p.detach(), q.detach(), **tol)
     # the states, in torch.optim's names, match too
     ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
     # (torch.optim.SGD without momentum keeps no state at all, and neither do we)
-    assert sorted(ours_sd["state"]) == sorted(ref_sd["state"]) == (list(range(len(SHAPES))) if case.states else [])
+    assert sorted(ours_sd["state"]) == sorted(ref_sd["state"]) == (list(range(len(shapes))) if case.states else [])
     for k in ref_sd["state"]:
         assert set(ours_sd["state"][k]) - {"step"} == set(ref_sd["state"][k]) - {"step"}
         for name in case.states:
             assert_close(ours_sd["state"][k][name], ref_sd["state"][k][name].to(case.dtype), **tol)
         if "step" in ref_sd["state"][k]:  # torch.optim.SGD keeps no step count
             assert float(ours_sd["state"][k]["step"]) == float(ref_sd["state"][k]["step"]) == STEPS
-    if case.backend == "compiled":
-        assert dml_optim.backends.resolved_backends(ours) == [["compiled"], ["compiled"]]
+    if case.backend in ("compiled", "fused"):
+        assert dml_optim.backends.resolved_backends(ours) == [[case.backend], [case.backend]]
         assert compiled.fell_back(ours) is None
 
 
-@pytest.mark.parametrize("case", REFERENCE_CASES)
-def test_matches_the_float64_reference_every_step(case: Case, compile_fallbacks_fail):
-    """Each step, from our pre-step values, equals the float64 NumPy spec to the dtype's tolerance
-    (parameters and every state), so an error of one step cannot hide in the drift of many; the
+def _follow_the_reference(case: Case, ours_p: list, ours, steps: int = STEPS) -> None:
+    """Each of ``steps`` steps of ``ours`` (two groups over ``ours_p``), from our pre-step values, equals
+    the float64 NumPy spec to the tolerance of the parameters' dtype, parameters and every state; the
     learning rate of both groups changes every step."""
-    ours_p = [torch.nn.Parameter(t.clone()) for t in _initial(case)]
-    ours = case.build(case.groups(*_split(ours_p)))
     hypers = [case.hyper, {**case.hyper, **case.second}]
     base = [h["lr"] for h in hypers]
-    for step in range(STEPS):
+    for step in range(steps):
         for group, h, lr in zip(ours.param_groups, hypers, base):
             group["lr"] = h["lr"] = _lr(step, lr)
         grads = _grads(case, step)
@@ -161,11 +180,60 @@ def test_matches_the_float64_reference_every_step(case: Case, compile_fallbacks_
                 assert_close_to_reference(ours.state[p][name], expected)
     sd = ours.state_dict()
     for k in range(len(ORDER)):  # (a rule without state, SGD without momentum, saves none, as torch.optim)
-        assert (float(sd["state"][k]["step"]) == STEPS) if case.states else k not in sd["state"]
-    expected = "compiled" if case.backend == "compiled" else "eager"
-    assert dml_optim.backends.resolved_backends(ours) == [[expected], [expected]]
+        assert (float(sd["state"][k]["step"]) == steps) if case.states else k not in sd["state"]
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES)
+def test_matches_the_float64_reference_every_step(case: Case, compile_fallbacks_fail):
+    """Each step, from our pre-step values, equals the float64 NumPy spec to the dtype's tolerance
+    (parameters and every state), so an error of one step cannot hide in the drift of many; the
+    learning rate of both groups changes every step."""
+    ours_p = [torch.nn.Parameter(t.clone()) for t in _initial(case)]
+    ours = case.build(case.groups(*_split(ours_p)))
+    _follow_the_reference(case, ours_p, ours)
+    assert dml_optim.backends.resolved_backends(ours) == [[case.backend], [case.backend]]
     if case.backend == "compiled":
         assert compiled.fell_back(ours) is None
+
+
+def test_the_fused_axis_covers_every_optimizer():
+    """Each optimizer has fused cases against its torch twin and the reference (the CPU, float32 and
+    float64 where it has them), and exactly the variants without a torch kernel are left out."""
+    fused_torch = {p.values[0].name for p in TORCH_CASES if p.values[0].backend == "fused"}
+    fused_reference = [p.values[0] for p in REFERENCE_CASES if p.values[0].backend == "fused"]
+    assert fused_torch == {c.name for c in fused_reference} == set(ENTRIES)
+    left_out = {(e.name, v.id) for e in ENTRIES.values() for v in e.variants} - {(c.name, c.variant.id)
+                                                                                 for c in fused_reference}
+    assert left_out == {("adam", "adam-norm-coefficients")}  # (norm_coefficient_post: no torch kernel)
+    assert all(c.dtype in (torch.float32, torch.float64) and c.device == "cpu" for c in fused_reference)
+
+
+#: ``backend="fused"`` where torch's kernel cannot run: (case, options, what the warning says)
+FUSED_FALLBACKS = {
+    "adam-norm-coefficient-post": (case_of("adam", dtype=torch.float64, variant="adam-norm-coefficients", backend="fused"),
+                                   {}, "not one of torch's fused kernels"),
+    "dml-adam-float16": (case_of("dml-adam", dtype=torch.float16, variant="dml-adam-epsilon", backend="fused"),
+                         {}, "float16 parameters"),
+    "adamw-float16-states": (case_of("adamw", dtype=torch.float32, backend="fused"), dict(state_dtype=torch.float16),
+                             "state_dtype or compute_dtype"),
+}
+
+
+@pytest.mark.parametrize("which", sorted(FUSED_FALLBACKS))
+def test_fused_where_it_cannot_run_warns_once_and_follows_the_reference(which):
+    """``backend="fused"`` on a buffer torch's kernel cannot run (a rule it does not compute, float16
+    parameters, states in another dtype) warns once (FusedFallbackWarning, with the reason), runs what
+    ``auto`` runs (eager for these small buffers) and still follows the float64 reference every step."""
+    case, options, reason = FUSED_FALLBACKS[which]
+    ours_p = [torch.nn.Parameter(t.clone()) for t in _initial(case)]
+    ours = case.build(case.groups(*_split(ours_p)), **options)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _follow_the_reference(case, ours_p, ours, steps=10)  # (states compared in their stored dtype)
+    fallbacks = [w for w in record if issubclass(w.category, FusedFallbackWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in fallbacks]
+    assert reason in str(fallbacks[0].message) and "backend='auto'" in str(fallbacks[0].message)
+    assert dml_optim.backends.resolved_backends(ours) == [["eager"], ["eager"]]
 
 
 #: precision modes: (parameter dtype, options); the rule runs in float32 over bounded chunks, converting

@@ -18,7 +18,7 @@ import readme_tables  # noqa: E402
 from dml_optim.benchmark import record_targets  # noqa: E402
 from dml_optim.benchmark.lowbit import CANDIDATES  # noqa: E402
 from dml_optim.benchmark.targets import reference, speed_row  # noqa: E402
-from test_bench_smoke import construction_record, nonepattern_record  # noqa: E402
+from test_bench_smoke import construction_record, host_row, nonepattern_record  # noqa: E402
 
 
 def test_readme_holds_what_the_script_writes():
@@ -180,3 +180,61 @@ def test_a_document_with_row_targets_shows_each_beside_its_row():
         assert (f"| {t['target']} |" in cpu_part) is (t.get("row") is None), t["target"]
     # the CUDA document, older, keeps its single targets table
     assert all(f"| {t['target']} |" in cuda_part for t in cuda["targets"])
+
+
+def _fused(doc: dict) -> dict:
+    """``doc`` as a CPU run with the fused backend writes it: a ``dml_optim fused`` row beside the others (here the
+    row ``auto`` ran before, a little faster), ``auto_backend`` ``fused`` and ``auto_runs`` in the reference
+    records, host rows with ``checks="refs"`` beside full and fast and the eager chain, the None-pattern and
+    construction records saying what auto ran; the targets checked again."""
+    doc = _newer(doc)
+    doc["candidates"] = ["dml_optim eager", "dml_optim compiled", "dml_optim fused", *doc["candidates"][2:]]
+    for ref in doc["references"]:
+        if ref["auto_backend"] == "auto":
+            ref["auto_runs"] = "fused"
+            continue
+        row = copy.deepcopy(speed_row(doc, ref["optimizer"], ref["workload"], f"dml_optim {ref['auto_backend']}"))
+        row.update(candidate="dml_optim fused", ms_per_step=row["ms_per_step"] * 0.9)
+        doc["results"].append(row)
+        ref["auto_backend"] = ref["auto_runs"] = "fused"
+    doc["host_work"] = [host_row(o, refs=12.0, full=80.0, fast=13.0) for o in readme_tables._OPTIMIZERS]
+    for rec in doc["nonepattern"]:
+        rec["auto_runs"] = "fused"
+    for rec in doc["construction"]:
+        rec["auto_backend"] = rec["rows"][0]["backend"] = "fused"
+    record_targets(doc)
+    return doc
+
+
+def test_a_document_with_the_fused_backend_says_what_auto_ran():
+    """A CPU run where ``auto`` runs torch's fused kernel: every label that names auto's backend says ``fused``,
+    the speed rows compare the fused row, the host table has the checks modes and the eager chain, and the one
+    host target per optimizer is the default's (checks="refs")."""
+    old = readme_tables._load("cpu")
+    cpu, cuda = _fused(old), readme_tables._load("cuda")
+    cpu_part = readme_tables.bench_section(cpu, cuda).split("Measured on an NVIDIA")[0]
+    lines = cpu_part.splitlines()
+    fused = speed_row(cpu, "adam", "resnet50", "dml_optim fused")["ms_per_step"]
+    (resnet50,) = [x for x in lines if x.startswith("| resnet50 | adam |")]
+    assert resnet50.startswith(f"| resnet50 | adam | {readme_tables._ms({'ms_per_step': fused})} (fused) |"), resnet50
+    assert ">= 1.1x torch fused:" in resnet50
+    frozen = [x for x in lines if x.startswith(("| lora-", "| unfreeze-"))]
+    assert frozen and all(" (fused) |" in x and " (auto) |" not in x for x in frozen)
+    assert any(x.startswith("| adamw | fused: 3.00 (3.00-3.00) |") for x in lines)  # None patterns
+    assert any(x.startswith("| linear-16x512 | adamw | fused: 3.00 (3.00-3.00) |") for x in lines)  # construction
+    # the host table: the default backend with each checks mode, the eager chain beside it
+    assert "| host work (cpu, 1 thread) | backend (auto) | 2000x16 us: checks=refs (default) / full / fast |" in cpu_part
+    assert "| adam | fused | 12 / 80 / 13 | 10 | 1.20x | 8.00x | 1.30x | 20 / 15 | 1.33x | 2 / 2, 8 / 8 |" in lines
+    assert '`"refs"` (the default, the target\'s' in " ".join(lines)
+    host = [t for t in cpu["targets"] if t["target"].startswith("host work")]
+    assert [(t["target"], t["dml_backend"], t["status"]) for t in host] == [
+        (f"host work, {name}: 2000x16 <= 3x 1x32000 (checks=refs, the default)", "fused", "PASS")
+        for name in ("Adam", "AdamW", "Adagrad", "Momentum")]
+    assert all(f"| {t['target']} | fused | 1.20x | PASS |" in lines for t in host) and "(checks=full)" not in cpu_part
+    # what auto runs, said once after both runs
+    assert "On the CPU `auto` runs torch's own fused kernel" in " ".join(readme_tables.bench_section(cpu, cuda).split())
+    # every speed and frozen target compares what auto ran: the fused row, or the frozen rows' own auto candidate
+    assert {t["dml_backend"] for t in cpu["targets"] if t.get("row") in ("speed", "frozen", "nonepattern",
+                                                                          "construction")} == {"fused"}
+    # the document as recorded before renders as it did (the README holds it)
+    assert readme_tables.bench_section(old, cuda) == readme_tables.sections()["BENCH-TABLE"]

@@ -131,15 +131,14 @@ def test_a_loaded_counter_merges_with_host_steps():
     assert opt.flat_buffers()[0].step_classes == 1
 
 
-@pytest.mark.parametrize("skip_first", [False, True])
-def test_interleaved_counts_are_repacked_into_one_class_per_count(skip_first):
-    """Counts (1, 2, 1) in buffer order: the next full step re-packs the buffer so that each count is
-    one contiguous class (two classes, not three), with the same result as torch.optim.Adam."""
+def _interleaved_counts(skip_first: bool, backend: str, twin: dict):
+    """Three parameters stepped so that their counts end up interleaved in buffer order, ours and torch's
+    Adam (``twin``: its implementation keywords) side by side; returns both optimizers and parameters."""
     init = [torch.full((2,), float(i + 1)) for i in range(3)]
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
-    opt = dml_optim.Adam(ours, lr=0.1, epsilon=0.0)
-    topt = torch.optim.Adam(ref, lr=0.1, eps=0.0, foreach=False)
+    opt = dml_optim.Adam(ours, lr=0.1, epsilon=0.0, backend=backend)
+    topt = torch.optim.Adam(ref, lr=0.1, eps=0.0, **twin)
     schedule = [(0, 1, 2), (1,), (0, 1, 2)] if not skip_first else [(1,), (0, 1, 2), (0, 1, 2)]
     for k, active in enumerate(schedule):
         for i, (p, q) in enumerate(zip(ours, ref)):
@@ -147,7 +146,43 @@ def test_interleaved_counts_are_repacked_into_one_class_per_count(skip_first):
             p.grad, q.grad = (None, None) if g is None else (g.clone(), g.clone())
         opt.step()
         topt.step()
+    return opt, topt, ours, ref
+
+
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_interleaved_counts_are_repacked_into_one_class_per_count(skip_first):
+    """Counts (1, 2, 1) in buffer order: the next full step re-packs the buffer so that each count is
+    one contiguous class (two classes, not three), with the same result as torch.optim.Adam.  The eager
+    backend (and the compiled one) re-pack; the fused backend does not (the next test)."""
+    opt, _, ours, ref = _interleaved_counts(skip_first, "eager", dict(foreach=False))
     (info,) = opt.flat_buffers()
-    assert info.step_classes == 2
+    assert info.backend == "eager"
+    assert info.step_classes == 2 and len(set(info.step_counts)) == 2  # one contiguous run per count
+    assert info.param_indices != (0, 1, 2) and sorted(info.param_indices) == [0, 1, 2]  # re-packed
     for p, q in zip(ours, ref):
         torch.testing.assert_close(p.detach(), q.detach())
+
+
+@pytest.mark.skipif(not hasattr(torch, "_fused_adam_"),
+                    reason=f"torch {torch.__version__} has no fused CPU Adam kernel (torch >= 2.4): no fused backend")
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_interleaved_counts_are_stepped_in_place_by_the_fused_backend(skip_first):
+    """The fused backend never re-packs for a new ``None`` pattern: the buffer keeps its order, one class per
+    run (three), each run a range of the flat buffer in one kernel call with a step count per range; and the
+    result is torch.optim.Adam(fused=True)'s, bit for bit: the same kernel with the same keywords (epsilon 0:
+    0 / sqrt(1 - beta2**T) is torch's eps 0), and every element in the kernel's scalar loop in both (a run is
+    2 elements, the buffer 6: below the vector width of torch's float32 kernels)."""
+    opt, topt, ours, ref = _interleaved_counts(skip_first, "fused", dict(fused=True))
+    (info,) = opt.flat_buffers()
+    assert info.backend == "fused"
+    assert info.param_indices == (0, 1, 2)  # the order the parameters were given: no re-pack
+    assert info.step_counts == (2, 3, 2) and info.step_classes == 3
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+    ours_state, ref_state = opt.state_dict()["state"], topt.state_dict()["state"]
+    for k, entry in ref_state.items():
+        for name, value in entry.items():
+            if name == "step":
+                assert float(ours_state[k][name]) == float(value)
+            else:
+                torch.testing.assert_close(ours_state[k][name], value, rtol=0, atol=0)

@@ -16,6 +16,14 @@ Tolerances are the arithmetic's: where the two libraries run the same float
 operations in the same order the result must be bit-identical (``EXACT``);
 where they do not, the bound says which operations differ and by how many
 units in the last place (each override's comment).
+
+The twin is the torch implementation our buffers actually run
+(:func:`_twin_flags`): on the CPU, float32 and float64 buffers of the default
+``backend="auto"`` run torch's own fused kernel (``dml_optim.fused``), so
+their twin is torch.optim's ``fused=True`` and every comparison is exact;
+``backend="eager"`` (and the dtypes the fused kernel does not take) runs our
+op chain, whose twin is torch's single-tensor implementation
+(``foreach=False``), as documented (SGD and Adagrad bit for bit).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import pytest
 import torch
 
 import dml_optim
+from dml_optim.backends import resolved_backends
 from dml_optim.optimizers import registry
 from matrix import ENTRIES
 from tolerances import TOL
@@ -49,18 +58,41 @@ def _optim_info(torch_name: str):
     return next(i for i in common_optimizers.optim_db if i.optim_cls.__name__ == torch_name)
 
 
-def _params(dtype, seed=0):
-    """Mixed shapes, one of them non-contiguous (a transposed leaf), as torch's tests use."""
+#: Mixed shapes, one of them non-contiguous (a transposed leaf, the last), as torch's tests use.
+MIXED = ((6, 5), (5,), (3, 2, 2), (), (4, 7))
+#: The same kinds of shapes (the last one transposed), every one a multiple of 16 elements (64 bytes in
+#: float32).  torch's fused CPU kernels step a tensor in tasks of whole 64-byte cache lines, each with a
+#: vector loop over all but its last ``size % vector width`` elements and a scalar loop over those, and the
+#: scalar loop rounds differently (the compiler contracts its ``a * b + c * d`` into fused multiply-adds:
+#: about half the elements of a random buffer differ by a rounding after one momentum step).  Which
+#: elements take the scalar loop depends on where they sit in the tensor the kernel is given: torch.optim
+#: gives it each parameter, our fused backend the flat buffer of a group.  With every parameter a multiple
+#: of 16 elements, every element takes the vector loop in both (16 is a multiple of the vector width in
+#: float32 and float64, SSE to AVX-512 and NEON), and the two are the same kernel on the same elements.
+ALIGNED = ((8, 4), (16,), (2, 4, 2), (2, 8), (4, 8))
+
+
+def _params(dtype, seed=0, shapes=MIXED):
+    """``shapes`` as parameters, the last one non-contiguous (a transposed leaf)."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(6, 5), (5,), (3, 2, 2), ()]
-    ps = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
-    ps.append(torch.randn(4, 7, generator=gen, dtype=torch.float64).to(dtype).t())  # non-contiguous
+    ps = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes[:-1]]
+    ps.append(torch.randn(shapes[-1], generator=gen, dtype=torch.float64).to(dtype).t())  # non-contiguous
     return [torch.nn.Parameter(p) for p in ps]
 
 
 def _grads(params, step: int):
     gen = torch.Generator().manual_seed(100 + step)
     return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params]
+
+
+def _twin_grad(g, q):
+    """``g`` as the twin's gradient of ``q``: in ``q``'s memory layout, as autograd's AccumulateGrad lays out
+    a parameter's gradient.  torch.optim's fused CPU kernels assume that layout and pair the elements of a
+    parameter and of its gradient in memory order: a transposed parameter with a contiguous gradient is
+    stepped with its gradient transposed, silently (torch 2.4.1 and 2.13; on CUDA the kernel refuses
+    "params, grads, ... must have same dtype, device, and layout", pytorch/pytorch#106951 and #149367).  Our
+    parameters are rebound as contiguous views of the flat buffer, so ours takes any gradient layout."""
+    return torch.empty_strided(q.shape, q.stride(), dtype=q.dtype).copy_(g)
 
 
 def _copy_kwargs(kwargs):
@@ -75,10 +107,41 @@ def _inputs(torch_name: str, dtype):
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 OPTIM_INPUTS = [p for name in TWINS.values() for d in DTYPES for p in _inputs(name, d)]
+#: ``None``: our default (``backend="auto"``: torch's fused kernel on the CPU for float32/float64); ``"eager"``:
+#: our op chain, which must stay bit for bit torch's single-tensor SGD and Adagrad (README, SGD's docstring)
+BACKENDS = (None, "eager")
 
 
-def _tolerance(torch_name: str, dtype, kwargs) -> dict:
-    """What the arithmetic allows between our flat step and torch's single-tensor one."""
+def _backend_options(backend) -> dict:
+    return {} if backend is None else {"backend": backend}
+
+
+def _twin_flags(opt) -> dict:
+    """torch.optim's keywords for the implementation ``opt``'s flat buffers run now: ``fused=True`` where they
+    run torch's fused kernel (``dml_optim.fused``: the same kernel, called on our flat buffers), else
+    ``foreach=False`` (the single-tensor implementation, the one our eager op chain follows).  Every buffer
+    must run the same one, or no single twin is the right reference."""
+    resolved = {b for group in resolved_backends(opt) for b in group}
+    assert len(resolved) == 1, f"buffers on several backends, no single twin: {resolved_backends(opt)}"
+    (backend,) = resolved
+    assert backend in ("fused", "eager"), f"{backend}: not what these small CPU buffers should run"
+    return dict(fused=True) if backend == "fused" else dict(foreach=False)
+
+
+def _tolerance(torch_name: str, dtype, kwargs, twin: dict, shapes) -> dict:
+    """What the arithmetic allows between our flat step and the twin's."""
+    if twin.get("fused"):
+        if shapes == ALIGNED:
+            # our fused backend calls torch's own kernel with torch's own keywords (AdamW, SGD, Adagrad: the
+            # hyperparameters map one to one), and every element takes the kernel's vector loop in both
+            # (ALIGNED): the same float operations in the same order, bit-identical
+            return EXACT
+        # the elements one side steps in the kernel's scalar loop and the other in its vector loop (ALIGNED's
+        # comment) differ by the contracted multiply-adds of the scalar loop: a rounding of an intermediate
+        # per step, at most about an ulp of the operands (measured: under 0.9 eps after 10 steps, AdamW and
+        # SGD with momentum; Adagrad equal)
+        eps = torch.finfo(dtype).eps
+        return dict(rtol=STEPS * 2 * eps, atol=STEPS * 2 * eps)
     if dtype == torch.bfloat16:
         # every op rounds to bfloat16 (8 bits): where our op order differs from torch's (AdamW:
         # epsilon scaled into the bias correction; Adagrad's weight decay into the regularized gradient)
@@ -97,24 +160,61 @@ def _tolerance(torch_name: str, dtype, kwargs) -> dict:
     return EXACT  # the same operations in the same order: bit-identical
 
 
-@pytest.mark.parametrize("torch_name, dtype, optim_input", OPTIM_INPUTS)
-def test_torch_optim_db_inputs_step_like_the_twin(torch_name, dtype, optim_input):
-    """Each of torch's own inputs, unchanged (per-group lr added as a second group), steps like torch."""
+def _with_backend(inputs):
+    """Each input three ways: our default on ALIGNED shapes (torch's fused kernel for float32 and float64:
+    bit for bit torch's fused=True), our default on MIXED shapes (the same, within the scalar loop's
+    roundings), and the eager backend on MIXED shapes (torch's single-tensor implementation)."""
+    out = []
+    for p in inputs:
+        torch_name, dtype, optim_input = p.values
+        for backend, shapes, tag in ((None, ALIGNED, "default-aligned"), (None, MIXED, "default"),
+                                     ("eager", MIXED, "eager")):
+            if dtype == torch.bfloat16 and tag != "default":
+                continue  # the default runs bfloat16 eagerly already (asserted in the test): the same run again
+            out.append(pytest.param(torch_name, dtype, optim_input, backend, shapes, id=f"{p.id}-{tag}"))
+    return out
+
+
+@pytest.mark.parametrize("torch_name, dtype, optim_input, backend, shapes", _with_backend(OPTIM_INPUTS))
+def test_torch_optim_db_inputs_step_like_the_twin(torch_name, dtype, optim_input, backend, shapes):
+    """Each of torch's own inputs, unchanged (per-group lr added as a second group), steps like torch: our
+    default like the implementation it runs (torch's fused kernel on the CPU for float32 and float64), and
+    the eager backend like torch's single-tensor implementation."""
     ours_cls = registry.get(next(k for k, v in TWINS.items() if v == torch_name))
     theirs_cls = getattr(torch.optim, torch_name)
-    ours_p, ref_p = _params(dtype), _params(dtype)
+    ours_p, ref_p = _params(dtype, shapes=shapes), _params(dtype, shapes=shapes)
 
     def groups(ps):
         return [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05}]
 
-    ours = ours_cls(groups(ours_p), **_copy_kwargs(optim_input.kwargs))
-    ref = theirs_cls(groups(ref_p), **_copy_kwargs(optim_input.kwargs))
-    tol = _tolerance(torch_name, dtype, optim_input.kwargs)
+    ours = ours_cls(groups(ours_p), **_copy_kwargs(optim_input.kwargs), **_backend_options(backend))
+    twin = _twin_flags(ours)
+    if backend == "eager" or dtype == torch.bfloat16:
+        assert twin == dict(foreach=False)  # our op chain (the fused kernel takes float32 and float64 only)
+    elif hasattr(torch, "_fused_adamw_"):  # torch >= 2.4 has the fused CPU kernels: the default runs them
+        assert twin == dict(fused=True)
+    try:
+        ref = theirs_cls(groups(ref_p), **_copy_kwargs(optim_input.kwargs), **twin)
+    except (RuntimeError, ValueError) as exc:
+        # torch.optim validates fused=True against its other keywords (it refuses e.g. differentiable=True, and
+        # some versions a Tensor lr or some dtypes); our fused backend calls the kernel itself, so it may run
+        # an input torch.optim will not run fused: there is no torch configuration of that kernel to compare
+        # with, and this input is compared the documented way instead, our eager chain against torch's
+        # single-tensor implementation (none of the CPU inputs of torch 2.4.1 or 2.13 is refused)
+        if not twin.get("fused"):
+            raise
+        print(f"torch.optim.{torch_name}(fused=True) refuses {optim_input.kwargs}: {exc}; compared eager instead")
+        ours_p = _params(dtype, shapes=shapes)
+        ours = ours_cls(groups(ours_p), **_copy_kwargs(optim_input.kwargs), backend="eager")
+        twin = _twin_flags(ours)
+        ref = theirs_cls(groups(ref_p), **_copy_kwargs(optim_input.kwargs), **twin)
+    tol = _tolerance(torch_name, dtype, optim_input.kwargs, twin, shapes)
     for step in range(STEPS):
         for p, q, g in zip(ours_p, ref_p, _grads(ours_p, step)):
-            p.grad, q.grad = g.clone(), g.clone()
+            p.grad, q.grad = g.clone(), _twin_grad(g, q)
         ours.step()
         ref.step()
+    assert _twin_flags(ours) == twin  # the same implementation all along
     for p, q in zip(ours_p, ref_p):
         torch.testing.assert_close(p.detach(), q.detach(), **tol)
     ours_state, ref_state = ours.state_dict()["state"], ref.state_dict()["state"]
@@ -175,36 +275,49 @@ BETAS = (0.05, 0.1, 0.2, 0.3, 0.7, 1.0)
 
 
 def _run(make_ours, make_ref, dtype, steps=30):
-    ours_p, ref_p = _params(dtype), _params(dtype)
-    ours, ref = make_ours(ours_p), make_ref(ref_p)
+    """``make_ref(params, twin)`` gets :func:`_twin_flags` of ours: the twin runs what our buffers run.  ALIGNED
+    shapes, where torch's fused kernel steps our flat buffer's elements as it steps each parameter's."""
+    ours_p, ref_p = _params(dtype, shapes=ALIGNED), _params(dtype, shapes=ALIGNED)
+    ours = make_ours(ours_p)
+    twin = _twin_flags(ours)
+    ref = make_ref(ref_p, twin)
     for step in range(steps):
         for p, q, g in zip(ours_p, ref_p, _grads(ours_p, step)):
-            p.grad, q.grad = g.clone(), g.clone()
+            p.grad, q.grad = g.clone(), _twin_grad(g, q)
         ours.step()
         ref.step()
-    return ours, ours_p, ref_p
+    assert _twin_flags(ours) == twin
+    return ours, ours_p, ref_p, twin
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b or "default")
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=str)
 @pytest.mark.parametrize("beta", BETAS)
-def test_momentum_beta_equals_sgd_dampening(beta, dtype):
+def test_momentum_beta_equals_sgd_dampening(beta, dtype, backend):
     """``Momentum(beta=b)`` constructs (no round-trip disagreement), shows ``dampening = 1 - b``, and steps
-    like ``SGD(dampening=1 - b)``; ``Momentum(dampening=d)`` is ``SGD(dampening=d)`` bit for bit."""
+    like ``SGD(dampening=1 - b)``; ``Momentum(dampening=d)`` is ``SGD(dampening=d)`` bit for bit (the twin:
+    torch's fused SGD where our buffers run it, the default on the CPU; its single-tensor SGD for eager)."""
     damp = 1.0 - beta
-    ours, ours_p, ref_p = _run(lambda ps: dml_optim.Momentum(ps, lr=0.01, alpha=0.9, beta=beta),
-                               lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=damp, foreach=False),
-                               dtype)
+    options = _backend_options(backend)
+    ours, ours_p, ref_p, twin = _run(lambda ps: dml_optim.Momentum(ps, lr=0.01, alpha=0.9, beta=beta, **options),
+                                     lambda ps, twin: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=damp,
+                                                                      **twin),
+                                     dtype)
+    if backend == "eager":
+        assert twin == dict(foreach=False)
     group = ours.param_groups[0]
     assert group["beta"] == beta and group["dampening"] == damp  # both names, each as given or derived
-    # SGD's gradient factor is 1 - (1 - b), which differs from b by at most 2**-53 (one rounding of 1 - b;
-    # the subtraction from 1 is then exact): the buffer and the parameters drift apart by at most
-    # steps * 2**-53 / b relative (float32 rounds both factors to the same float)
-    bound = 30 * 2 * 2**-53 / beta if dtype == torch.float64 else 0.0
+    # eager: SGD's gradient factor is 1 - (1 - b), which differs from b by at most 2**-53 (one rounding of
+    # 1 - b; the subtraction from 1 is then exact): the buffer and the parameters drift apart by at most
+    # steps * 2**-53 / b relative (float32 rounds both factors to the same float).  Fused: our kernel call
+    # gets dampening = 1 - b, the very float the twin gets, and computes 1 - dampening as torch's does: exact
+    bound = 30 * 2 * 2**-53 / beta if dtype == torch.float64 and not twin.get("fused") else 0.0
     for p, q in zip(ours_p, ref_p):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=bound, atol=bound)
-    ours, ours_p, ref_p = _run(lambda ps: dml_optim.Momentum(ps, lr=0.01, alpha=0.9, dampening=damp),
-                               lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=damp, foreach=False),
-                               dtype)
+    ours, ours_p, ref_p, twin = _run(lambda ps: dml_optim.Momentum(ps, lr=0.01, alpha=0.9, dampening=damp, **options),
+                                     lambda ps, twin: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=damp,
+                                                                      **twin),
+                                     dtype)
     assert ours.param_groups[0]["dampening"] == damp
     for p, q in zip(ours_p, ref_p):
         torch.testing.assert_close(p.detach(), q.detach(), **EXACT)

@@ -11,6 +11,10 @@ cycles ``betas``/``momentum``.  Two ways in:
   groups (``weight_decay`` from ``TrainingArguments`` for weights, 0 for biases and LayerNorm),
   i.e. torch's names in the group dicts.
 
+The torch.optim twins are tests/_frameworks.py's: Momentum's is compared bit for bit, with torch's
+fused SGD on the CPU (our default backend runs torch's fused kernel there); the Adam family to its
+tolerance.
+
 Checkpoints: the Trainer saves ``optimizer.pt`` (our ``state_dict``) every ``save_steps``;
 ``train(resume_from_checkpoint=...)`` in a new Trainer, with a new model and optimizer, must end
 where the uninterrupted run ended, bit for bit.  ``fp16=True`` is CUDA-only: on the CPU the
@@ -24,10 +28,11 @@ runs the equality tests make are the ones the resume tests compare with.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
-from _frameworks import BY_ID, Pair, moved, need, params_of, reset_accelerate
+from _frameworks import BY_ID, Pair, moved, need, params_of, reset_accelerate, torch_twin
 from _frameworks import fresh_accelerate  # noqa: F401 - the fixture, used through pytestmark
 
 import dml_optim
@@ -158,7 +163,10 @@ def test_trainer_fp16_on_cuda_equals_torch(name, tmp_path):
     theirs, _ = _train(pair.theirs, tmp_path / "torch", fp16=True)
     assert trainer.accelerator.scaler is not None
     assert all(p.device.type == "cuda" for p in ours)
-    pair.assert_same(ours, theirs)
+    # Both optimizers are built on the CPU parameters: Momentum's twin is torch's fused SGD there (what
+    # our CPU backend runs), and after the move it runs torch's fused CUDA kernel while ours runs its
+    # CUDA step (eager or compiled): the same update, rounded differently, so the pair's tolerance.
+    replace(pair, exact=False).assert_same(ours, theirs)
 
 
 @pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6),
@@ -183,7 +191,7 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(name, scheduler, uni
 FACTORIES = [
     # torch's keyword names for ours (momentum=, as for SGD); weight_decay reaches each group as a torch name
     Pair("momentum", lambda: (dml_optim.Momentum, {"lr": LR, "momentum": 0.9}),
-         lambda: (torch.optim.SGD, {"lr": LR, "momentum": 0.9}), exact=True),
+         lambda: (torch_twin(torch.optim.SGD), {"lr": LR, "momentum": 0.9}), exact=True),
     Pair("adamw", lambda: (dml_optim.AdamW, {"lr": LR, "betas": (0.8, 0.99)}),
          lambda: (torch.optim.AdamW, {"lr": LR, "betas": (0.8, 0.99)})),
 ]

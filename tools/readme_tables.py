@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dml_optim, also when it is not installed
 
 from dml_optim.benchmark import default_workloads, report  # noqa: E402
-from dml_optim.benchmark.targets import reference, speed_row  # noqa: E402
+from dml_optim.benchmark.targets import auto_label, reference, speed_row  # noqa: E402
 from dml_optim.benchmark.timing import reference_name  # noqa: E402
 from dml_optim.benchmark.workloads import FROZEN_PREFIXES  # noqa: E402
 
@@ -180,7 +180,7 @@ def _speed_table(doc: dict, device: str, shown: set[str]) -> list[str]:
             fused, foreach = _row(doc, optimizer, work, "torch fused"), _row(doc, optimizer, work, "torch foreach")
             if mine is None:
                 continue
-            cells = [work, optimizer, f"{_ms(mine)} ({ref['auto_backend']})"]
+            cells = [work, optimizer, f"{_ms(mine)} ({auto_label(ref)})"]
             cells += [_ms(mine, "kernel_ms"), _ms(fused, "kernel_ms")] if cuda else []
             vs_fused = "n/a" if fused is None else f"{fused['ms_per_step'] / mine['ms_per_step']:.2f}x"
             cells += [_ms(fused), _ms(foreach), vs_fused, f"{mine['ratio_to_best_torch']:.2f}x",
@@ -206,7 +206,7 @@ def _frozen_table(doc: dict, shown: set[str]) -> list[str]:
             fused, foreach = _row(doc, optimizer, work, "torch fused"), _row(doc, optimizer, work, "torch foreach")
             w = sizes[work]
             lines.append(f"| {work} ({w['trainable_elements']:,} / {w['elements']:,}) | {optimizer} | {_ms(mine)} "
-                         f"({ref['auto_backend']}) | {_ms(fused)} | {_ms(foreach)} | {mine['ops_per_step']} / "
+                         f"({auto_label(ref)}) | {_ms(fused)} | {_ms(foreach)} | {mine['ops_per_step']} / "
                          f"{'n/a' if foreach is None else foreach['ops_per_step']} | {_mb(mine)} / {_mb(fused)} | "
                          f"{_ms(mine, 'first_step_ms')} / {_ms(fused, 'first_step_ms')} |"
                          + "".join(f" {c} |" for c in _targets_cell(ref, shown)))
@@ -225,6 +225,46 @@ def _reference_note(doc: dict) -> list[str]:
             "an optimizer step, writes back what it read: no write-allocate. `bench/README.md` explains every row and field."]
 
 
+def _fused(doc: dict) -> bool:
+    """Whether ``doc`` measured the fused backend (``backend="auto"``'s choice on the CPU since it was added;
+    the committed documents of 2026-11-25 and before did not): the notes then say so."""
+    return "dml_optim fused" in doc.get("candidates", ())
+
+
+def _host_note(doc: dict) -> list[str]:
+    """The paragraph before the host, memory and instances tables."""
+    if not any("ratio_refs" in r for r in doc.get("host_work", [])):  # (a document before checks="refs")
+        return ["Host work per parameter (eager, one thread: the same elements as 2,000 tensors or as one, so the",
+                "difference is what the host does per parameter; `checks=\"fast\"` compares only the first and last",
+                "parameter of each buffer, see [Options](#options)), the memory peak while an optimizer is built",
+                "(resident set: approximate), and 12 compiled instances alive at once:"]
+    return [_fill("Host work per parameter (one thread: the same elements as 2,000 tensors or as one, so the difference "
+                  "is what the host does per parameter), with the default backend (what `auto` ran) and each `checks` "
+                  "mode: `\"refs\"` (the default, the target's: two storage use counts per buffer), `\"full\"` (every "
+                  "parameter's gradient and data pointer) and `\"fast\"` (the first and last parameter of each buffer), "
+                  "see [Options](#options); beside them the eager op chain that DirectML runs, with the default checks. "
+                  "Then the memory peak while an optimizer is built (resident set: approximate), and 12 compiled "
+                  "instances alive at once:")]
+
+
+def _auto_note(cpu: dict) -> list[str]:
+    """The paragraph after both runs: what ``backend="auto"`` runs, and the reference."""
+    if not _fused(cpu):  # (a CPU document before the fused backend)
+        return ["`auto` compiles buffers from 4M elements on the CPU and 1M on CUDA; a CPU buffer from 16k elements starts",
+                "eager and compiles once its eager steps have taken 5 s (the rows show that long-run choice; always eager",
+                "on DirectML). A first compile costs about 5 s per process on this VM with inductor's disk cache warm, 20 s",
+                "cold. The compiled kernel reads and writes each buffer once (Adam: 28 bytes per parameter) and",
+                *_reference_note(cpu)]
+    return [_fill("On the CPU `auto` runs torch's own fused kernel (`torch._fused_adamw_` and its kin) on the flat "
+                  "buffers (float32 and float64 buffers with plain states: nothing to compile); otherwise it compiles "
+                  "buffers from 4M elements on the CPU and 1M on CUDA, a CPU buffer from 16k elements starting eager and "
+                  "compiling once its eager steps have taken 5 s (the rows show that long-run choice; always eager on "
+                  "DirectML). A first compile costs about 5 s per process on this VM with inductor's disk cache warm, "
+                  "20 s cold. Each of the fused and compiled kernels reads and writes each buffer once (Adam: 28 bytes "
+                  "per parameter) and"),
+            *_reference_note(cpu)]
+
+
 def _blocks(*blocks: list[str]) -> list[str]:
     """The non-empty ``blocks``, each followed by a blank line."""
     return [line for block in blocks if block for line in (*block, "")]
@@ -236,12 +276,15 @@ def _new_rows(doc: dict, shown: set[str]) -> list[str]:
     tables = [report.nonepattern_table(doc, shown), report.construction_table(doc, shown)]
     if not any(tables):
         return []
+    cold = ("(any kernel already compiled), and the cold first one (with any compile: `fused` compiles nothing; the "
+            "ms column says what `auto` ran) apart:" if _fused(doc) else
+            "with the kernel already compiled, and the cold first one (with the compile) apart:")
     return [_fill("None gradients: at each step a seeded random 70% of 40 tensors of 128 x 128 have a gradient and the "
                   "others `None`, the pattern changing every step (64 patterns, cycled), beside steady steps with every "
                   "gradient, assigned the same way; medians (fastest-slowest sample), ops per step over a cycle. "
                   "Construction: 16 Linear(512, 512) layers with gradients (not timed), then the optimizer's construction "
-                  "and first step, dml_optim's defaults beside torch fused: the median of fresh optimizers with the "
-                  "kernel already compiled, and the cold first one (with the compile) apart:"), "", *_blocks(*tables)]
+                  "and first step, dml_optim's defaults beside torch fused: the median of fresh optimizers " + cold),
+            "", *_blocks(*tables)]
 
 
 def _targets_block(doc: dict, shown: set[str]) -> list[str]:
@@ -277,10 +320,7 @@ def bench_section(cpu: dict, cuda: dict) -> str:
         "",
         *_blocks(cpu_rows[1]),
         *cpu_rows[2],
-        "Host work per parameter (eager, one thread: the same elements as 2,000 tensors or as one, so the",
-        "difference is what the host does per parameter; `checks=\"fast\"` compares only the first and last",
-        "parameter of each buffer, see [Options](#options)), the memory peak while an optimizer is built",
-        "(resident set: approximate), and 12 compiled instances alive at once:",
+        *_host_note(cpu),
         "",
         *_blocks(report.host_table(cpu), report.memory_table(cpu), report.instances_table(cpu)),
         "Not measured on the CPU:",
@@ -299,11 +339,7 @@ def bench_section(cpu: dict, cuda: dict) -> str:
         "",
         *_blocks(report.graph_table(cuda), report.instances_table(cuda), report.memory_table(cuda)),
         *_targets_block(cuda, shown_cuda),
-        "`auto` compiles buffers from 4M elements on the CPU and 1M on CUDA; a CPU buffer from 16k elements starts",
-        "eager and compiles once its eager steps have taken 5 s (the rows show that long-run choice; always eager",
-        "on DirectML). A first compile costs about 5 s per process on this VM with inductor's disk cache warm, 20 s",
-        "cold. The compiled kernel reads and writes each buffer once (Adam: 28 bytes per parameter) and",
-        *_reference_note(cpu),
+        *_auto_note(cpu),
     ]
     return "\n".join(lines)
 

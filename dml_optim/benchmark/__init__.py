@@ -5,15 +5,17 @@ the method, the rows and the fields of the JSON document.  One module per job:
 
 * :mod:`~dml_optim.benchmark.workloads`: what is stepped over (model shapes,
   the LoRA model, unfreezing stages) and its tensors;
-* :mod:`~dml_optim.benchmark.candidates`: the optimizers compared, built
-  through the registry, and the memory they hold;
+* :mod:`~dml_optim.benchmark.candidates`: the optimizers compared (dml_optim's
+  eager, compiled and fused backends, torch.optim's for-loop, foreach and
+  fused), built through the registry, the memory they hold, and what
+  ``backend="auto"`` runs;
 * :mod:`~dml_optim.benchmark.timing`: wall, CUDA-event and kernel time,
   round-robin sampling, the bandwidth reference (in-place add; CUDA: copy);
 * the rows: :mod:`~dml_optim.benchmark.speed` (candidates side by side;
   ops per step from :func:`dml_optim.opcount.count_ops`),
   :mod:`~dml_optim.benchmark.frozen` (LoRA, gradual unfreezing),
-  :mod:`~dml_optim.benchmark.host` (host work per parameter; compiled
-  instances), :mod:`~dml_optim.benchmark.memory` (peak at construction),
+  :mod:`~dml_optim.benchmark.host` (host work per parameter, per ``checks``
+  mode; compiled instances), :mod:`~dml_optim.benchmark.memory` (peak at construction),
   :mod:`~dml_optim.benchmark.graphs` (capturable steps in a CUDA graph),
   :mod:`~dml_optim.benchmark.lowbit` (8-bit and 4-bit AdamW state),
   :mod:`~dml_optim.benchmark.nonepattern` (``None`` gradients changing

@@ -1,11 +1,15 @@
 """The optimizers a benchmark row compares, built through the registry, and what they hold.
 
 For an optimizer name of :mod:`dml_optim.optimizers.registry` (``adam``,
-``adamw``, ``adagrad``, ``momentum``), five candidates, each on its own copy
+``adamw``, ``adagrad``, ``momentum``), six candidates, each on its own copy
 of the same parameters:
 
-* ``dml_optim eager`` and ``dml_optim compiled``:
-  ``registry.build(name, params, backend=...)``;
+* ``dml_optim eager``, ``dml_optim compiled`` and ``dml_optim fused``:
+  ``registry.build(name, params, backend=...)``; ``fused`` is torch's own
+  fused CPU kernel called on the flat buffers (:mod:`dml_optim.fused`), what
+  ``backend="auto"`` runs on the CPU for float32 and float64 buffers with
+  plain states (n/a, with the reason, elsewhere: a fallback would time
+  another backend);
 * ``torch for-loop`` (``foreach=False``), ``torch foreach`` (``foreach=True``)
   and ``torch fused`` (``fused=True``): ``registry.torch_equivalent(name,
   params, exact=False, ...)``, the nearest torch.optim twin (Adam's epsilon
@@ -13,6 +17,11 @@ of the same parameters:
 * ``dml_optim auto`` (:data:`AUTO`): ``backend="auto"``, the default, for
   the rows where what it runs is measured rather than predicted from the
   buffer's size (frozen, None-pattern, construction).
+
+What ``backend="auto"`` runs for a workload: :func:`auto_backend` (the
+prediction, ``fused``, ``eager`` or ``compiled``, for a speed row's
+``auto_backend``) and :func:`ran` (what an optimizer's buffers ran, from
+:func:`dml_optim.backends.resolved_backends`).
 
 Hyperparameters are the registry's defaults (learning rate:
 ``registry.lr_for``), on both sides.  dml_optim candidates get their own
@@ -23,6 +32,7 @@ candidates share one read-only copy.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from typing import Callable, Iterator
@@ -33,12 +43,13 @@ from dml_optim.benchmark.timing import wall_seconds
 from dml_optim.quant import tensors_of
 
 __all__ = ["OPTIMIZERS", "CANDIDATES", "TORCH_CANDIDATES", "AUTO", "BYTES_PER_ELEMENT", "Candidate", "build_optimizer", "settle", "settle_steps",
-           "start", "unavailable", "no_compile_fallback"]
+           "start", "unavailable", "auto_backend", "ran", "no_compile_fallback"]
 
 #: The optimizers the benchmark measures (registry names).
 OPTIMIZERS = ("adam", "adamw", "adagrad", "momentum")
-CANDIDATES = ("dml_optim eager", "dml_optim compiled", "torch for-loop", "torch foreach", "torch fused")
-TORCH_CANDIDATES = CANDIDATES[2:]
+CANDIDATES = ("dml_optim eager", "dml_optim compiled", "dml_optim fused", "torch for-loop", "torch foreach",
+              "torch fused")
+TORCH_CANDIDATES = tuple(c for c in CANDIDATES if c.startswith("torch "))
 #: The candidate name of dml_optim with its default backend (``backend="auto"``), where a row measures it so.
 AUTO = "dml_optim auto"
 _TORCH_FLAGS = {"torch for-loop": dict(foreach=False), "torch foreach": dict(foreach=True),
@@ -85,13 +96,41 @@ class Candidate:
 
 
 def unavailable(name: str, device: torch.device) -> str | None:
-    """Why candidate ``name`` cannot run on ``device`` (None: it can)."""
+    """Why candidate ``name`` cannot run on ``device`` (None: it can).  What else rules out ``dml_optim
+    fused`` (the dtype, ...) makes its first step fail with the library's reason (:func:`no_compile_fallback`)."""
     if name == "dml_optim compiled":
         from dml_optim.compiled import compile_available
 
         ok, why = compile_available(device.type)
         return None if ok else why
+    if name == "dml_optim fused" and device.type != "cpu":
+        return f"torch's fused kernels run on the CPU here, the device is {device.type}"
     return None
+
+
+def auto_backend(optimizer: str, device: torch.device, dtype: torch.dtype, numel: int, **options) -> str:
+    """What ``backend="auto"`` runs for a buffer of ``numel`` elements of ``optimizer`` (the registry's
+    hyperparameters, ``options``) in ``dtype`` on ``device``, in a long run: ``"fused"`` where torch's fused
+    kernel can run it (:func:`dml_optim.backends.resolved_backends` of such an optimizer over one element:
+    whether it does depends on the device, dtype and settings, not the size), else ``"eager"`` or
+    ``"compiled"`` by size (:func:`dml_optim.backends.resolve`; a buffer that compiles after running
+    eagerly for a while counts as compiled)."""
+    from dml_optim.backends import resolve, resolved_backends
+    from dml_optim.optimizers.registry import build
+
+    probe = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+    backends = {b for group in resolved_backends(build(optimizer, [probe], **options)) for b in group}
+    if backends == {"fused"}:
+        return "fused"
+    return resolve("auto", device, numel, eager_s=math.inf)
+
+
+def ran(opt: torch.optim.Optimizer) -> str | None:
+    """What ``opt``'s flat buffers run with now (:func:`dml_optim.backends.resolved_backends`): ``"fused"``,
+    ``"eager"``, ``"compiled"``, or several joined by ``+`` (``"eager+compiled"``); None without buffers."""
+    from dml_optim.backends import resolved_backends
+
+    return "+".join(dict.fromkeys(b for group in resolved_backends(opt) for b in group)) or None
 
 
 def build_optimizer(name: str, optimizer: str, params: list[torch.nn.Parameter], **options) -> torch.optim.Optimizer:
@@ -120,11 +159,23 @@ def build_optimizer(name: str, optimizer: str, params: list[torch.nn.Parameter],
 def start(name: str, optimizer: str, params: list[torch.nn.Parameter], grads: list[torch.Tensor | None],
           device: torch.device, **options) -> Candidate:
     """Build candidate ``name`` of ``optimizer`` over ``params`` (:func:`build_optimizer`), give it ``grads``
-    and take its first step (timed).  A compile fallback raises instead of passing for ``compiled``."""
+    and take its first step (timed).  A compile fallback raises instead of passing for ``compiled``.
+
+    Then a dml_optim candidate is put where a training loop's steps find it: ``zero_grad()`` (dml_optim's
+    default keeps each ``p.grad`` a view of the flat gradient buffer) and the gradients written into those
+    views, as backward writes them; the timed steps read the gradients there, as torch.optim's read the
+    tensors ``p.grad`` holds.  (Left as the caller's tensors, large ones would be read in place at every step,
+    the path of a loop that calls ``zero_grad(set_to_none=True)``: the None-pattern row measures that one.)"""
     with no_compile_fallback():
         cand = Candidate(name, build_optimizer(name, optimizer, params, **options), params)
         cand.attach(grads)
         cand.first_step_s = wall_seconds(cand.step, device, probe=params[-1])
+        if cand.ours:
+            cand.opt.zero_grad()
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    if g is not None and p.grad is not None:
+                        p.grad.copy_(g)
     return cand
 
 
@@ -148,10 +199,14 @@ def settle_steps(opt: torch.optim.Optimizer, step: Callable[[], object]) -> None
 
 @contextlib.contextmanager
 def no_compile_fallback() -> Iterator[None]:
-    """Inside: a compile fallback (:class:`dml_optim.compiled.CompileFallbackWarning`) raises, so a candidate
-    that was to run compiled is n/a with the reason instead of silently measuring the eager backend."""
+    """Inside: a backend fallback raises, so a candidate that was to run compiled or fused is n/a with the
+    reason instead of silently measuring another backend: a compile fallback
+    (:class:`dml_optim.compiled.CompileFallbackWarning`), and ``backend="fused"`` refusing a buffer
+    (:class:`dml_optim.fused.FusedFallbackWarning`: a dtype or setting torch's kernels do not take)."""
     from dml_optim.compiled import CompileFallbackWarning
+    from dml_optim.fused import FusedFallbackWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)
+        warnings.simplefilter("error", FusedFallbackWarning)
         yield

@@ -6,22 +6,29 @@ with gradients (copies of the same values; not timed, as creating a model
 is not), then times the optimizer's construction and its first step, each
 followed by a synchronization: ``dml_optim auto``
 (``registry.build(name, params)``: the defaults, so ``backend="auto"``,
-which compiles a buffer this size on the CPU and on CUDA) and
-``torch fused`` (``fused=True``), with the registry's hyperparameters.
+which runs torch's fused kernel on the flat buffer on the CPU, nothing to
+compile, and compiles a buffer this size on CUDA) and ``torch fused``
+(``fused=True``), with the registry's hyperparameters.  What ``auto`` ran is
+read from the optimizer after its first step
+(:func:`~dml_optim.benchmark.candidates.ran`): the row's ``backend`` and the
+record's ``auto_backend`` (``fused``, ``eager``, ``compiled``); where
+``dml_optim auto`` is n/a, the record says what it would run
+(:func:`~dml_optim.benchmark.candidates.auto_backend`).
 
 The first repetition of each candidate is recorded on its own (``cold_s``):
-where the rule was never compiled in this process it includes the compile
-(seconds; well under one from inductor's disk cache, and more for the first
-compile of the process, which starts inductor).  Then ``repetitions`` warm
-ones (the kernel compiled, a fresh optimizer over fresh parameters each
-time), the order alternating, and the medians: ``ms`` (construction + first
-step), ``construct_ms``, ``first_step_ms``, with ``ms_min`` and ``ms_max``
-(the spread).  ``ratio`` = dml_optim's ``ms`` over torch fused's; the
-target is at most :data:`LIMIT`.  A compile fallback makes dml_optim n/a
-with the reason (it would time the eager backend instead).
+where the rule was to compile and was never compiled in this process it
+includes the compile (seconds; well under one from inductor's disk cache,
+and more for the first compile of the process, which starts inductor).
+Then ``repetitions`` warm ones (any kernel compiled, a fresh optimizer over
+fresh parameters each time), the order alternating, and the medians: ``ms``
+(construction + first step), ``construct_ms``, ``first_step_ms``, with
+``ms_min`` and ``ms_max`` (the spread).  ``ratio`` = dml_optim's ``ms`` over
+torch fused's; the target is at most :data:`LIMIT`.  A compile fallback
+makes dml_optim n/a with the reason (it would time the eager backend
+instead).
 
 Run it first among the rows that compile (``run.py`` does), or ``cold_s`` is
-not cold.
+not cold where ``auto`` compiles.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from dml_optim.benchmark.candidates import AUTO, build_optimizer, no_compile_fallback
+from dml_optim.benchmark.candidates import AUTO, auto_backend, build_optimizer, no_compile_fallback, ran
 from dml_optim.benchmark.common import error_text, young_garbage_only
 from dml_optim.benchmark.timing import sync
 from dml_optim.benchmark.workloads import Workload, linears, make_params, make_values
@@ -57,9 +64,10 @@ def workload(*, quick: bool) -> Workload:
     return linears(d=64 if quick else 512)
 
 
-def _once(name: str, optimizer: str, work: Workload, values: list, grads: list, device: torch.device) -> tuple[float, float]:
+def _once(name: str, optimizer: str, work: Workload, values: list, grads: list, device: torch.device,
+          ran_in: dict[str, str | None] | None = None) -> tuple[float, float]:
     """One repetition: fresh parameters with gradients (not timed), then the seconds of the construction and of
-    the first step."""
+    the first step; ``ran_in[name]``: what a dml_optim optimizer's buffers ran (not timed)."""
     params = make_params(work, values)
     for p, g in zip(params, grads):
         p.grad = g.clone()  # a fresh gradient, as autograd's: dml_optim copies it into its flat buffer
@@ -72,6 +80,8 @@ def _once(name: str, optimizer: str, work: Workload, values: list, grads: list, 
         opt.step()
         sync(device, params[-1])
         t2 = time.perf_counter()
+    if ran_in is not None and name.startswith("dml_optim"):
+        ran_in[name] = ran(opt)
     del opt, params
     gc.collect()  # not timed: the next repetition starts without this one's garbage (young_garbage_only: cheap)
     return t1 - t0, t2 - t1
@@ -100,9 +110,11 @@ def _sample(optimizer: str, work: Workload, values: list, grads: list, device: t
     ``repetitions`` warm ones, the order alternating: per candidate that runs, the (construction, first step)
     seconds of each warm one."""
     times: dict[str, list[tuple[float, float]]] = {}
+    backends: dict[str, str | None] = {}
     for name, row in rows.items():
         try:
-            row["cold_s"] = sum(_once(name, optimizer, work, values, grads, device))
+            row["cold_s"] = sum(_once(name, optimizer, work, values, grads, device, backends))
+            row["backend"] = backends.get(name)
             times[name] = []
             row["available"] = True
         except Exception as exc:  # torch refuses fused here, the compile failed, ...
@@ -119,14 +131,10 @@ def _sample(optimizer: str, work: Workload, values: list, grads: list, device: t
 def measure_construction(optimizer: str, device: torch.device, dtype: torch.dtype, log: Callable[[str], None], *,
                          quick: bool) -> dict[str, Any]:
     """The construction row of ``optimizer``: its record (see the module docstring)."""
-    from dml_optim.backends import resolve
-
     work = workload(quick=quick)
     values = make_values(work, device, dtype, seed=0, scale=0.1)
     grads = make_values(work, device, dtype, seed=7, scale=1e-2)
-    auto = resolve("auto", device, work.trainable_numel)
     rows = {name: blank_row(name) for name in CANDIDATES}
-    rows[AUTO]["backend"] = auto
     with young_garbage_only():
         times = _sample(optimizer, work, values, grads, device, rows, _QUICK_REPETITIONS if quick else REPETITIONS, log)
     for name, samples in times.items():
@@ -134,6 +142,7 @@ def measure_construction(optimizer: str, device: torch.device, dtype: torch.dtyp
         rows[name].update(ms=statistics.median(total) * 1e3, ms_min=min(total) * 1e3, ms_max=max(total) * 1e3,
                           construct_ms=statistics.median(a for a, _ in samples) * 1e3,
                           first_step_ms=statistics.median(b for _, b in samples) * 1e3, samples=len(samples))
+    auto = rows[AUTO]["backend"] or auto_backend(optimizer, device, dtype, work.trainable_numel)
     record = make_record(optimizer, work, auto, list(rows.values()))
     log(f"  {optimizer:8} construction + first step on {work.name}: " + ", ".join(
         f"{r['candidate']} {_ms(r['ms'])} (cold {_s(r['cold_s'])})" for r in record["rows"]))

@@ -9,7 +9,9 @@
   ``dml_optim auto`` (:data:`CANDIDATES`): after unfreezing, parameters are
   at several step counts and ``backend="auto"`` picks the backend of that
   update by its own threshold, so the rows time what it runs rather than
-  predict it.
+  predict it (on the CPU it runs torch's fused kernel, one range per run of
+  parameters at one step count: the reference record's ``auto_runs`` says
+  what it ran, and the tables show that).
 * **Gradual unfreezing** (:func:`measure_unfreezing`): 16 Linear(512, 512)
   layers; the same candidates, built once with every parameter, step while
   the top 1, then 4, then all 16 layers are trainable.  At each stage the

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from dml_optim.benchmark.candidates import start
+from dml_optim.benchmark.candidates import auto_backend, start
 from dml_optim.benchmark.common import error_text
 from dml_optim.benchmark.timing import event_seconds, round_robin
 from dml_optim.benchmark.workloads import make_params, make_values, workload
@@ -46,9 +46,8 @@ def _capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
 
 def measure_graphs(device: torch.device, dtype: torch.dtype, settings: dict, log: Callable[[str], None], *,
                    quick: bool) -> dict:
-    """The CUDA-graph row: ``{"workload", "auto_backend", "rows": [...]}``."""
-    from dml_optim.backends import resolve
-
+    """The CUDA-graph row: ``{"workload", "auto_backend", "rows": [...]}`` (``auto_backend``: what
+    ``backend="auto"`` runs with ``capturable=True``, :func:`~dml_optim.benchmark.candidates.auto_backend`)."""
     if device.type != "cuda":
         raise RuntimeError(f"the CUDA-graph row needs --device cuda, got {device.type}")
     work = workload("many-small-256" if quick else "many-small")
@@ -79,7 +78,7 @@ def measure_graphs(device: torch.device, dtype: torch.dtype, settings: dict, log
         t = timed.get(f"{row['candidate']}|{row['mode']}")
         if t is not None:
             row.update(ms_per_step=t["seconds"] * 1e3, samples=t["samples"])
-    auto = resolve("auto", device, work.trainable_numel)
+    auto = auto_backend("adam", device, dtype, work.trainable_numel, capturable=True)
     log("  graph: " + ", ".join(f"{r['candidate']} ({r['mode']}) {_ms(r['ms_per_step'])}" for r in rows))
     return {"workload": work.name, "optimizer": "adam", "auto_backend": auto, "limit_ms": GRAPH_LIMIT_MS, "rows": rows}
 

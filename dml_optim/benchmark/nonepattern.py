@@ -29,6 +29,10 @@ spread), ``first_step_ms``, ``ops_per_step`` (the mean over one cycle of
 patterns, :func:`dml_optim.opcount.count_ops`), ``steps_taken`` and
 ``distinct_step_counts`` (among the parameters, after the last step);
 ``error``: a part that failed (counting the ops).
+The record's ``auto_runs`` is what ``dml_optim auto``'s buffers ran in the
+changing mode after its timed steps (:func:`~dml_optim.benchmark.candidates.ran`:
+``fused`` on the CPU, where torch's kernel takes one range per run of
+parameters at one step count; None where it is n/a).
 The record's ratios are the targets' values (:mod:`~dml_optim.benchmark.targets`):
 ``ratio_changing_to_steady`` (``dml_optim auto``'s changing step over its
 steady one, at most :data:`CHANGING_LIMIT`) and ``ratio_fused_to_ours``
@@ -43,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dml_optim.benchmark.candidates import AUTO, build_optimizer, no_compile_fallback, settle_steps, unavailable
+from dml_optim.benchmark.candidates import AUTO, build_optimizer, no_compile_fallback, ran, settle_steps, unavailable
 from dml_optim.benchmark.common import error_text
 from dml_optim.benchmark.timing import round_robin, wall_seconds
 from dml_optim.benchmark.workloads import Workload, make_params, make_values, tensors
@@ -147,14 +151,16 @@ def find_row(rows: list[dict], candidate: str, mode: str) -> dict | None:
     return next((r for r in rows if (r["candidate"], r["mode"]) == (candidate, mode)), None)
 
 
-def make_record(optimizer: str, work: Workload, patterns: int, rows: list[dict]) -> dict[str, Any]:
-    """The row's record from its candidates' ``rows``: the setting, the limits, and the targets' ratios
-    (``dml_optim auto``'s changing over steady; torch fused's changing over ``dml_optim auto``'s)."""
+def make_record(optimizer: str, work: Workload, patterns: int, rows: list[dict],
+                auto_runs: str | None = None) -> dict[str, Any]:
+    """The row's record from its candidates' ``rows``: the setting, the limits, what ``dml_optim auto`` ran
+    (``auto_runs``), and the targets' ratios (``dml_optim auto``'s changing over steady; torch fused's changing
+    over ``dml_optim auto``'s)."""
     ours = find_row(rows, AUTO, "changing")
     return {
         "optimizer": optimizer, "workload": work.name, "tensors": len(work.shapes),
         "elements_per_tensor": math.prod(work.shapes[0]),
-        "present": _PRESENT, "patterns": patterns, "seed": _SEED,
+        "present": _PRESENT, "patterns": patterns, "seed": _SEED, "auto_runs": auto_runs,
         "changing_limit": CHANGING_LIMIT, "vs_fused_limit": VS_FUSED_LIMIT,
         "ratio_changing_to_steady": _ratio(ours, find_row(rows, AUTO, "steady")),
         "ratio_fused_to_ours": _ratio(find_row(rows, "torch fused", "changing"), ours),
@@ -209,8 +215,9 @@ def measure_nonepattern(optimizer: str, device: torch.device, dtype: torch.dtype
         except Exception as exc:  # recorded; the row keeps its times
             rows[key]["error"] = error_text(exc)
         rows[key].update(steps_taken=stepper.steps_taken, distinct_step_counts=stepper.distinct_step_counts())
-    record = make_record(optimizer, work, len(patterns), list(rows.values()))
-    log(f"  {optimizer:8} None patterns: " + ", ".join(
+    auto = steppers.get(f"{AUTO}, changing")
+    record = make_record(optimizer, work, len(patterns), list(rows.values()), ran(auto.opt) if auto else None)
+    log(f"  {optimizer:8} None patterns (auto: {record['auto_runs'] or 'n/a'}): " + ", ".join(
         f"{r['candidate']} {r['mode']} {_ms(r['ms_per_step'])}" for r in record["rows"]))
     return record
 

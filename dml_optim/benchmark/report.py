@@ -4,7 +4,11 @@
 references, compile times, memory, CUDA graphs, instances, host work, None
 patterns, construction, failures, what was not measured and why, targets);
 :func:`format_summary` one line per speed measurement (what ``backend="auto"``
-runs beside torch.optim) and the targets.  The tables of the memory, graph,
+runs beside torch.optim) and the targets.  Where a table names what ``auto``
+ran it shows the record's ``auto_runs`` (``fused`` on the CPU;
+:func:`~dml_optim.benchmark.targets.auto_label`), or its ``auto_backend`` in
+documents recorded before that field; a host row of such a document (eager,
+``checks`` full and fast) keeps its table.  The tables of the memory, graph,
 instances, host, None-pattern and construction rows, of the targets, and
 :func:`target_cells` (a row's targets in a table cell) are public:
 ``tools/readme_tables.py`` puts them in the README.  :func:`write_json` writes the document; :func:`default_output_path`
@@ -20,7 +24,7 @@ from typing import Any
 
 from dml_optim.benchmark.candidates import AUTO
 from dml_optim.benchmark.nonepattern import MODES, find_row
-from dml_optim.benchmark.targets import reference, speed_row
+from dml_optim.benchmark.targets import auto_label, reference, speed_row
 from dml_optim.console import DEFAULT_OUTPUT_DIR
 
 __all__ = ["format_report", "format_summary", "memory_table", "graph_table", "instances_table", "host_table",
@@ -59,7 +63,7 @@ def _speed(doc: dict[str, Any]) -> list[str]:
     rows = []
     for r in doc["results"]:
         ref = reference(doc, r["optimizer"], r["workload"])
-        name = r["candidate"] + (" (auto)" if ref and r["candidate"] == f"dml_optim {ref['auto_backend']}" else "")
+        name = r["candidate"] + (_auto_mark(ref) if ref and r["candidate"] == f"dml_optim {ref['auto_backend']}" else "")
         if r["ms_per_step"] is None:
             rows.append([r["optimizer"], r["workload"], name, "n/a"] + [""] * (len(header) - 4))
             continue
@@ -80,6 +84,13 @@ def _speed(doc: dict[str, Any]) -> list[str]:
         lines += ["", *_table(["compile time (first compiled step minus a steady one)", "workload", "s"],
                               [[r["optimizer"], r["workload"], f"{r['compile_s']:.2f}"] for r in compiles], 2)]
     return lines
+
+
+def _auto_mark(ref: dict[str, Any]) -> str:
+    """`` (auto)`` beside the row that is what ``backend="auto"`` runs; a row's own ``dml_optim auto`` candidate
+    also says what it ran (`` (auto: fused)``), where the record knows."""
+    ran = ref.get("auto_runs")
+    return f" (auto: {ran})" if ref["auto_backend"] == "auto" and ran else " (auto)"
 
 
 def memory_table(doc: dict[str, Any]) -> list[str]:
@@ -112,14 +123,29 @@ def instances_table(doc: dict[str, Any]) -> list[str]:
 
 
 def host_table(doc: dict[str, Any]) -> list[str]:
-    """The host row: a step over 2,000 x 16 elements (``checks`` full and fast) beside one over 1 x 32,000."""
-    if not doc["host_work"]:
+    """The host row: a step over 2,000 x 16 elements beside one over 1 x 32,000.  Today's rows: the default
+    backend (what ``auto`` ran) with ``checks`` refs (the default, the target's), full and fast, and the eager
+    chain (DirectML's) with the default checks; rows recorded before ``checks="refs"``: eager, full and fast."""
+    rows = doc["host_work"]
+    if not rows:
         return []
-    return _table(["host work (eager, cpu, 1 thread)", "2000x16 us, checks=full", "checks=fast", "1x32000 us",
-                   "full / one", "fast / one", "ops/step: 2000x16 / 1x32000"],
-                  [[r["optimizer"], f"{r['us_many_full']:.0f}", f"{r['us_many_fast']:.0f}", f"{r['us_one']:.0f}",
-                    f"{r['ratio_full']:.2f}x", f"{r['ratio_fast']:.2f}x",
-                    f"{_f(r.get('ops_many_full'), 'd')} / {_f(r.get('ops_one'), 'd')}"] for r in doc["host_work"]], 1)
+    if not any("ratio_refs" in r for r in rows):
+        return _table(["host work (eager, cpu, 1 thread)", "2000x16 us, checks=full", "checks=fast", "1x32000 us",
+                       "full / one", "fast / one", "ops/step: 2000x16 / 1x32000"],
+                      [[r["optimizer"], f"{r['us_many_full']:.0f}", f"{r['us_many_fast']:.0f}", f"{r['us_one']:.0f}",
+                        f"{r['ratio_full']:.2f}x", f"{r['ratio_fast']:.2f}x",
+                        f"{_f(r.get('ops_many_full'), 'd')} / {_f(r.get('ops_one'), 'd')}"] for r in rows], 1)
+    return _table(["host work (cpu, 1 thread)", "backend (auto)", "2000x16 us: checks=refs (default) / full / fast",
+                   "1x32000 us", "refs / one", "full / one", "fast / one", "eager 2000x16 / 1x32000 us (checks=refs)",
+                   "eager: 2000x16 / one", "ops/step: 2000x16 / 1x32000, eager"],
+                  [[r["optimizer"], r.get("backend") or "n/a",
+                    " / ".join(_f(r.get(f"us_many_{c}"), ".0f") for c in ("refs", "full", "fast")),
+                    _f(r.get("us_one"), ".0f"),
+                    *(_f(r.get(f"ratio_{c}"), ".2f", "x") for c in ("refs", "full", "fast")),
+                    f"{_f(r.get('eager_us_many'), '.0f')} / {_f(r.get('eager_us_one'), '.0f')}",
+                    _f(r.get("eager_ratio"), ".2f", "x"),
+                    f"{_f(r.get('ops_many_refs'), 'd')} / {_f(r.get('ops_one'), 'd')}, "
+                    f"{_f(r.get('eager_ops_many'), 'd')} / {_f(r.get('eager_ops_one'), 'd')}"] for r in rows], 2)
 
 
 def lowbit_table(doc: dict[str, Any]) -> list[str]:
@@ -183,7 +209,9 @@ def _nonepattern_cells(rec: dict[str, Any], shown: set[str] | None) -> list[str]
     def pair(candidate: str, key: str, spec: str) -> str:
         return " / ".join(_f(row(candidate, m).get(key), spec) for m in MODES)
 
-    return [rec["optimizer"], *(_spread(row(AUTO, m), "ms_per_step") for m in MODES), _x(rec["ratio_changing_to_steady"]),
+    ran = f"{rec['auto_runs']}: " if rec.get("auto_runs") else ""  # (what auto ran, where the record says)
+    return [rec["optimizer"], ran + _spread(row(AUTO, "changing"), "ms_per_step"),
+            _spread(row(AUTO, "steady"), "ms_per_step"), _x(rec["ratio_changing_to_steady"]),
             *(_spread(row("torch fused", m), "ms_per_step") for m in MODES), _x(rec["ratio_fused_to_ours"]),
             pair("dml_optim eager", "ms_per_step", ".2f"), pair("dml_optim compiled", "ms_per_step", ".2f"),
             pair(AUTO, "ops_per_step", ".1f"), _f(row(AUTO, "changing").get("distinct_step_counts"), "d"),
@@ -212,7 +240,7 @@ def construction_table(doc: dict[str, Any], shown: set[str] | None = None) -> li
     for rec in doc.get("construction") or []:
         by = {r["candidate"]: r for r in rec["rows"]}
         ours, fused = by.get(AUTO) or {}, by.get("torch fused") or {}
-        rows.append([rec["workload"], rec["optimizer"], f"{rec['auto_backend']}: {_spread(ours, 'ms')}",
+        rows.append([rec["workload"], rec["optimizer"], f"{auto_label(rec)}: {_spread(ours, 'ms')}",
                      _spread(fused, "ms"), _x(rec["ratio"]),
                      f"{_f(ours.get('construct_ms'), '.1f')} / {_f(ours.get('first_step_ms'), '.1f')}",
                      f"{_f(fused.get('construct_ms'), '.1f')} / {_f(fused.get('first_step_ms'), '.1f')}",
@@ -270,7 +298,7 @@ def format_summary(doc: dict[str, Any]) -> str:
         if mine is None or mine["ms_per_step"] is None:
             continue
         vs_fused = None if fused is None or fused["ms_per_step"] is None else fused["ms_per_step"] / mine["ms_per_step"]
-        rows.append([ref["optimizer"], ref["workload"], f"{mine['ms_per_step']:.3f} ({ref['auto_backend']})",
+        rows.append([ref["optimizer"], ref["workload"], f"{mine['ms_per_step']:.3f} ({auto_label(ref)})",
                      _f(None if fused is None else fused["ms_per_step"], ".3f"), _f(vs_fused, ".2f", "x"),
                      _f(mine["ratio_to_best_torch"], ".2f", "x"), _pct(mine["fraction_of_reference"]),
                      _f(mine["ops_per_step"], "d")])

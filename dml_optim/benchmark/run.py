@@ -64,7 +64,8 @@ def unmeasurable(row: str, device: torch.device) -> str | None:
 
 
 #: Why a row that can run is left out when ``--rows`` does not name it.
-_NOT_SELECTED = {"host": "measured by a CPU run (the CPU's eager step, one thread); `--rows host` adds it to any run"}
+_NOT_SELECTED = {"host": "measured by a CPU run (the CPU's steps with the default backend and the eager one, one "
+                         "thread); `--rows host` adds it to any run"}
 
 
 def not_measured(device: torch.device, requested: Sequence[str]) -> list[dict[str, str]]:

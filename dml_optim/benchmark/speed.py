@@ -18,24 +18,29 @@ one row per candidate:
   and, for ``compiled``, ``compile_s``.
 
 The reference record's ``auto_backend`` names the row that is what
-``backend="auto"`` runs: the backend it resolves to for the workload's size
-(``eager`` or ``compiled``), or ``auto`` where the row measures a
+``backend="auto"`` runs (:func:`~dml_optim.benchmark.candidates.auto_backend`):
+``fused`` where torch's fused kernel can run the buffer (the CPU, float32 or
+float64, plain states), else the backend it resolves to for the workload's
+size (``eager`` or ``compiled``: CUDA), or ``auto`` where the row measures a
 ``dml_optim auto`` candidate of its own (the frozen rows: with parameters at
 several step counts, what ``auto`` runs is not the plain step's choice).
+``auto_runs`` says what that ran: the same backend, or for ``auto`` what the
+``dml_optim auto`` candidate's buffers ran after its timed steps
+(:func:`~dml_optim.benchmark.candidates.ran`: ``fused``, ``eager``,
+``compiled``, ``eager+compiled``; None where it is n/a).  Labels show
+``auto_runs`` (:func:`~dml_optim.benchmark.targets.auto_label`).
 
 :func:`measure_group` is the two for one workload.
 """
 
 from __future__ import annotations
 
-import math
-
 from typing import Callable, Sequence
 
 import torch
 
-from dml_optim.benchmark.candidates import (AUTO, BYTES_PER_ELEMENT, CANDIDATES, TORCH_CANDIDATES, Candidate, settle, start,
-                                            unavailable)
+from dml_optim.benchmark.candidates import (AUTO, BYTES_PER_ELEMENT, CANDIDATES, TORCH_CANDIDATES, Candidate,
+                                            auto_backend, ran, settle, start, unavailable)
 from dml_optim.benchmark.common import error_text
 from dml_optim.benchmark.timing import Reference, kernel_seconds, round_robin, wall_seconds
 from dml_optim.benchmark.workloads import Workload, make_params, make_values
@@ -88,8 +93,6 @@ def start_candidates(optimizer: str, work: Workload, device: torch.device, dtype
 def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work: Workload, device: torch.device,
             dtype: torch.dtype, settings: dict, log: Callable[[str], None]) -> tuple[list[dict], dict]:
     """Time ``cands`` round-robin beside the reference; fill and return their rows, and the reference's record."""
-    from dml_optim.backends import resolve
-
     numel = work.trainable_numel
     for c in cands:
         if settings.get("settle", True):
@@ -133,12 +136,15 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
         "reference_kernel_ms": None if ref_kernel is None else ref_kernel * 1e3,
         "reference_kernel_gbs": None if ref_kernel is None else ref.bytes_moved / ref_kernel / 1e9,
         # (what auto runs in a long run: a buffer it compiles after running eagerly for a while is compiled)
-        "auto_backend": "auto" if AUTO in rows else resolve("auto", device, numel, eager_s=math.inf),
+        "auto_backend": "auto" if AUTO in rows else auto_backend(optimizer, device, dtype, numel),
         "rounds": min(t["samples"] for t in timed.values()),
         "trainable_elements": numel,
     }
-    auto = rows[f"dml_optim {reference['auto_backend']}"]
-    log(f"  {optimizer:8} {work.name:18} dml_optim (auto) {_ms(auto['ms_per_step'])}, best torch.optim "
+    mine = next((c for c in cands if c.name == AUTO), None)
+    reference["auto_runs"] = (ran(mine.opt) if mine is not None else None) if AUTO in rows else reference["auto_backend"]
+    auto = rows.get(f"dml_optim {reference['auto_backend']}") or {"ms_per_step": None}
+    log(f"  {optimizer:8} {work.name:18} dml_optim (auto: {reference['auto_runs'] or 'n/a'}) "
+        f"{_ms(auto['ms_per_step'])}, best torch.optim "
         f"{_ms(min(torch_ms) if torch_ms else None)}, {ref.kind} {ref_s * 1e3:.3f} ms")
     return list(rows.values()), reference
 

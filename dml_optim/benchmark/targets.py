@@ -1,7 +1,11 @@
 """The issues' targets, checked against a result document: each with the value measured and PASS/MISS.
 
 "dml_optim" in a speed target means what ``backend="auto"`` (the default)
-runs for that buffer size on that device.  A target whose row was not
+runs for that buffer on that device: the row the reference record's
+``auto_backend`` names (``dml_optim fused`` on the CPU for float32 and
+float64 buffers, ``dml_optim eager`` or ``compiled`` by size on CUDA, the
+row's own ``dml_optim auto`` in the frozen rows).  A target's ``dml_backend``
+is what that ran (:func:`auto_label`).  A target whose row was not
 measured (not selected, n/a, failed, cut by ``--budget``) is "not measured",
 and its ``reason`` says which part is missing (``"torch fused n/a: ..."``).
 
@@ -12,6 +16,12 @@ construction row) names it: ``row``, ``optimizer``, ``workload``, and
 (``targets``), beside the numbers it was computed from.  On the CPU every
 speed and frozen row has one: dml_optim >= 1.0x torch fused (one of the
 issues' targets where it is stricter, e.g. resnet50 Adam >= 1.1x).
+
+Host work: one target per optimizer, the default's (``checks="refs"`` with the
+default backend: 2000x16 <= 3x 1x32000); ``checks="full"`` and ``"fast"`` and
+the eager chain are in the row and its table, not targets.  A host row of a
+document recorded before the ``"refs"`` mode (eager, ``full`` and ``fast``)
+keeps its two targets, as that document stored them.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from dml_optim.benchmark.nonepattern import find_row
 from dml_optim.benchmark.timing import reference_name
 from dml_optim.benchmark.workloads import FROZEN_PREFIXES
 
-__all__ = ["check_targets", "record_targets", "speed_row", "reference", "RECORD_LISTS"]
+__all__ = ["check_targets", "record_targets", "speed_row", "reference", "auto_label", "RECORD_LISTS"]
 
 #: CUDA: dml_optim (auto) >= 1.0x torch fused (wall) for these optimizers and workloads ...
 _CUDA_VS_FUSED = (("adam", "momentum"), ("resnet50", "bert-base-uncased", "gpt2", "one-256m"))
@@ -45,6 +55,13 @@ def speed_row(doc: dict[str, Any], optimizer: str, work: str, candidate: str) ->
 def reference(doc: dict[str, Any], optimizer: str, work: str) -> dict | None:
     """The reference record of the (``optimizer``, ``work``) speed row, or None."""
     return next((r for r in doc["references"] if (r["optimizer"], r["workload"]) == (optimizer, work)), None)
+
+
+def auto_label(record: dict[str, Any]) -> str:
+    """What ``backend="auto"`` ran in a record (a speed or frozen row's reference record, a None-pattern or
+    construction record): its ``auto_runs`` where the record has one (``fused``, ``eager``, ``compiled``), else
+    its ``auto_backend`` (documents recorded before ``auto_runs``: ``auto`` for the frozen rows)."""
+    return record.get("auto_runs") or record.get("auto_backend") or "auto"
 
 
 def _title(optimizer: str) -> str:
@@ -91,7 +108,7 @@ class _Targets:
             value, reason = None, _missing(f"dml_optim {ref['auto_backend']}", mine)
         else:
             value, reason = measure(mine, ref)
-        self.add(name, required, ">=", unit, value, ref["auto_backend"] if ref else None, reason=reason,
+        self.add(name, required, ">=", unit, value, auto_label(ref) if ref else None, reason=reason,
                  row="frozen" if work.startswith(FROZEN_PREFIXES) else "speed", optimizer=optimizer, workload=work,
                  versus=versus)
 
@@ -149,7 +166,7 @@ def _ratio_target(t: _Targets, name: str, record: dict, required: float, op: str
     """A target of a None-pattern or construction record; ``parts`` are the (label, row) whose times (``key``)
     it divides: the reason of a target not measured names the first without one."""
     reason = next((_missing(label, r) for label, r in parts if r is None or r[key] is None), None)
-    t.add(name, required, op, "x", value, record.get("auto_backend", "auto"), reason=reason, row=row,
+    t.add(name, required, op, "x", value, auto_label(record), reason=reason, row=row,
           optimizer=record["optimizer"], workload=record["workload"], versus=versus)
 
 
@@ -180,7 +197,12 @@ def _construction_targets(t: _Targets) -> None:
 def _other_targets(t: _Targets, device: str) -> None:
     """The targets of the host, low-bit, instances, graph and memory rows."""
     for row in t.doc.get("host_work", []):
-        for checks in ("full", "fast"):
+        if "ratio_refs" in row:  # the default checks with the default backend
+            t.add(f"host work, {_title(row['optimizer'])}: 2000x16 <= {row['limit']:g}x 1x32000 "
+                  f"(checks={row['checks']}, the default)", row["limit"], "<=", "x", row[f"ratio_{row['checks']}"],
+                  row["backend"])
+            continue
+        for checks in ("full", "fast"):  # (a document before checks="refs": the eager backend, both modes)
             t.add(f"host work, {_title(row['optimizer'])}: 2000x16 <= {row['limit']:g}x 1x32000 "
                   f"(checks={checks})", row["limit"], "<=", "x", row[f"ratio_{checks}"], "eager")
     for record in t.doc.get("lowbit", []):

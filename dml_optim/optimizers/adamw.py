@@ -49,7 +49,9 @@ class AdamW(FlatOptimizer):
 
     The step (see :func:`dml_optim.functional.adamw_coefficients`) runs as at
     most 10 element-wise ops per flat buffer, all native on DirectML: no
-    ``lerp``, no ``_foreach_*``, no host sync, no allocation.
+    ``lerp``, no ``_foreach_*``, no host sync, no allocation.  On the CPU the
+    default backend calls torch's own ``_fused_adamw_`` kernel on the flat
+    buffer instead (one call a step: dml_optim/fused.py).
     """
 
     spec = OptimizerSpec(

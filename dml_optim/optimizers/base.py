@@ -165,9 +165,10 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         cls = type(self)
         options = dict(options)
         self.atomic = check_flag("atomic", options.pop("atomic", False))
-        #: ``"full"``: every step compares every parameter's binding (two C-level passes);
-        #: ``"fast"``: only the first and last of each buffer (see the README).
-        self.checks = check_choice("checks", options.pop("checks", "full"), CHECK_MODES)
+        #: ``"refs"``: every step compares two storage use counts per buffer (O(1); see ``FlatBuffer.check``);
+        #: ``"full"``: those and every parameter's binding (two C-level passes); ``"fast"``: those and the
+        #: first and last parameter's (see the README).
+        self.checks = check_choice("checks", options.pop("checks", "refs"), CHECK_MODES)
         self.pack_via = check_choice("pack_via", options.pop("pack_via", "auto"), PACK_MODES)
         for name in options:
             if name in cls.spec.torch.refused:
@@ -188,6 +189,8 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         if isinstance(params, (set, frozenset)):
             raise TypeError(f"params must be given as an ordered collection (a list), got a {type(params).__name__}")
         self._layout: list[GroupLayout] = []
+        #: the buffers of the last step, when it can be repeated without planning again (:meth:`_repeat`)
+        self._steady: tuple | None = None
         super().__init__(params, defaults)
         from dml_optim.optimizers._stateview import StateView
 
@@ -265,6 +268,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         trainable = [i for i, p in enumerate(params) if p.requires_grad]
         frozen = [i for i, p in enumerate(params) if not p.requires_grad]
         self._layout.append(GroupLayout(self._pack(group, trainable), frozen, synced))
+        self._steady = None
 
     def _check_param(self, p, index: int, group_index: int) -> None:
         where = f"params: param_groups[{group_index}]['params'][{index}]"
@@ -331,6 +335,8 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Perform one optimization step; ``closure`` re-evaluates the loss."""
+        if closure is None and self._steady is not None and self._repeat():
+            return None
         self._check_capture()
         loss = None
         if closure is not None:
@@ -341,10 +347,12 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
             scale = getattr(self, "grad_scale", None)
             self.step_scaled(torch.reciprocal(scale.float()) if scale is not None else None, found_inf=found_inf)
             return loss
+        self._steady = None
         work = self._prepare(in_place=True)
         self._raise_if_nonfinite([flat for group, flat in work if group["nonfinite"] == "raise"])
         finite = self._all_finite([flat for group, flat in work if group["nonfinite"] == "skip"])
-        self._run(work, lambda group, flat: finite.to(flat.device) if group["nonfinite"] == "skip" else None)
+        planned = self._run(work, lambda group, flat: finite.to(flat.device) if group["nonfinite"] == "skip" else None)
+        self._steady = self._repeatable(work, planned)
         return loss
 
     @torch.no_grad()

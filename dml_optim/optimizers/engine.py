@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from dml_optim.flat import FlatBuffer, describe_param
+from dml_optim.fused import remember_read
 from dml_optim.fused import run as run_fused
 from dml_optim.steps import StepClass
 from dml_optim.options import CHUNK_ELEMENTS, LOW_PRECISION_DTYPES
@@ -164,12 +165,12 @@ class EngineMixin:
         for gi, layout in enumerate(self._layout):
             for flat in layout.buffers:
                 if any(flat is f for f in flats):
-                    bad += [describe_param(p, idx, gi) for p, idx, g in zip(flat.params, flat.indices, flat.grad_views)
-                            if p.grad is not None and not bool(torch.isfinite(g).all())]
+                    bad += [describe_param(p, idx, gi) for i, (p, idx) in enumerate(zip(flat.params, flat.indices))
+                            if p.grad is not None and not bool(torch.isfinite(flat.grad[slice(*flat.span(i))]).all())]
         raise FloatingPointError(f"non-finite gradient (inf or nan) in {', '.join(bad)}; nothing was updated")
 
-    def _run(self, work, gate: Callable[[dict, FlatBuffer], torch.Tensor | None]) -> None:
-        """Plan every class update (checks and host coefficients), then commit them."""
+    def _run(self, work, gate: Callable[[dict, FlatBuffer], torch.Tensor | None]) -> list:
+        """Plan every class update (checks and host coefficients), then commit them; returns the plan."""
         from dml_optim.backends import compiles, fuses, masked_runner, runner_for
 
         cls = type(self)
@@ -183,7 +184,7 @@ class EngineMixin:
                     planned.append((group, flat, FUSED, None, None, None, calls))
                     continue
             if flat.pending is not None:  # (a count the fused kernel cannot take: the gradients are gathered)
-                foreign = [i for i, (g, v) in enumerate(zip(flat.pending, flat.grad_views)) if g is not None and g is not v]
+                foreign = [i for i, g in enumerate(flat.pending) if g is not None and not flat.holds_grad(i, g)]
                 flat.pending = None
                 flat.gather_grads(foreign)
             if finite is None and len(flat.counter.classes) > 1 and self._masks(group, flat):  # one update, all of it
@@ -204,6 +205,57 @@ class EngineMixin:
                         self._check_range(group, flat, scalars)
                 planned.append((group, flat, c, finite, runner, key, scalars))
         self._commit(work, planned)
+        return planned
+
+    def _repeatable(self, work, planned) -> tuple | None:
+        """The buffers of a step :meth:`_repeat` may repeat: every buffer of every group stepped, each as one
+        class in one fused call over the whole buffer (its own gradients, every one present), with nothing
+        a plain step cannot skip (``atomic``, ``nonfinite`` checks); else None."""
+        flats = tuple(flat for layout in self._layout for flat in layout.buffers)
+        if (self.atomic or len(planned) != len(flats) or any(g["nonfinite"] != "propagate" for g in self.param_groups)
+                or any(entry[2] is not FUSED for entry in planned)):
+            return None
+        if (any(a is not b[1] for a, b in zip(flats, work)) or any(len(f.counter.classes) != 1 for f in flats)
+                or any(f.uses is None for f in flats)):  # (every gradient in its view: what a repeat checks for)
+            return None
+        return flats
+
+    def _repeat(self) -> bool:
+        """Step the way the last step did, if nothing it depended on changed: True when it stepped.
+
+        After a plain step in which every buffer ran torch's fused kernel over its whole length (the
+        steady state of a training loop), the next step needs no layout work: it checks what could
+        have changed (each group's settings and frozen parameters, each buffer's bindings and step
+        class, a dispatch mode or a dynamo trace) and then plans and commits exactly as :meth:`_run`
+        does, through the same functions.  Anything else takes the full path (False)."""
+        from dml_optim.compiled import _dispatch_mode_active, _is_compiling
+        from dml_optim.optimizers.layout import _unchanged
+
+        flats = self._steady
+        if (_is_compiling() or _dispatch_mode_active() or getattr(self, "found_inf", None) is not None
+                or self.atomic):
+            return False
+        mode = self.checks
+        work, planned = [], []
+        k = 0
+        for group, layout in zip(self.param_groups, self._layout):
+            if (not _unchanged(group, layout.checked) or group["nonfinite"] != "propagate"
+                    or (layout.frozen and self._unfrozen(group, layout))):
+                return False
+            for flat in layout.buffers:  # (settings validated anew since this buffer's last step: plan anew)
+                if (k >= len(flats) or flat is not flats[k] or flat.settings is not layout.checked
+                        or len(flat.counter.classes) != 1 or not flat.check(mode)):
+                    return False
+                k += 1
+                calls = self._fused_plan(group, flat)
+                if calls is None:
+                    return False
+                work.append((group, flat))
+                planned.append((group, flat, FUSED, None, None, None, calls))
+        if k != len(flats):
+            return False
+        self._commit(work, planned)
+        return True
 
     def _fused_plan(self, group, flat: FlatBuffer):
         """The kernel calls of a fused step of ``flat`` (:func:`dml_optim.fused.plan`), after the same step-limit
@@ -331,6 +383,7 @@ class EngineMixin:
                         flat.eager_s += time.perf_counter() - start
                 done += 1
             for _, flat in work:
+                remember_read(flat)
                 flat.pending = None
                 if flat.staged:
                     flat.stage_out()

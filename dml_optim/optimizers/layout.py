@@ -141,6 +141,8 @@ class LayoutMixin:
             for flat, binding in zip(layout.buffers, bindings):
                 flat.settings = layout.checked
                 active = self._bind(group, flat, binding, in_place)
+                if binding is not None:  # (bindings changed: the state checks="refs" recognizes is recorded anew)
+                    flat.record_uses()
                 if active is not None and not any(active):
                     continue
                 self._ensure_state(group, flat)
@@ -148,7 +150,7 @@ class LayoutMixin:
         return work
 
     def _unfrozen(self, group: dict[str, Any], layout: GroupLayout) -> bool:
-        """Some unpacked parameter needs packing: it was unfrozen, or (``checks="full"``) it has a
+        """Some unpacked parameter needs packing: it was unfrozen, or (``checks`` other than ``"fast"``) it has a
         gradient although frozen (torch.optim steps every parameter with a gradient)."""
         if not layout.frozen:
             return False
@@ -156,7 +158,7 @@ class LayoutMixin:
         with _FAST_ATTRIBUTES():
             if any(map(_REQUIRES_GRAD, frozen)):
                 return True
-            return self.checks == "full" and not all(map(_IS_NONE, map(_GRAD, frozen)))
+            return self.checks != "fast" and not all(map(_IS_NONE, map(_GRAD, frozen)))
 
     def _settings(self, gi: int, group: dict[str, Any]) -> tuple[dict | None, dict]:
         """``(candidate, synced)``: the group's settings synced with torch's names and validated,
@@ -202,7 +204,6 @@ class LayoutMixin:
         settings = group if candidate is None else candidate
         repack = self._unfrozen(group, layout) or self._bits_changed(settings, layout)
         bindings: list[Binding | None] = []
-        full = self.checks == "full"
         for flat in layout.buffers:
             if flat.precision is not None and flat.precision != self._precision(settings):
                 old, new = flat.precision, self._precision(settings)
@@ -210,7 +211,7 @@ class LayoutMixin:
                 changed = [f"{k} from {a} to {b}" for k, a, b in zip(names, old, new) if a != b]
                 raise ValueError(f"param_groups[{gi}]: {', '.join(changed)} after the states were allocated is not "
                                  "supported; build a new optimizer with the new options and load_state_dict() into it")
-            if flat.check(full):
+            if flat.check(self.checks):
                 bindings.append(None)
                 continue
             binding = flat.diagnose()
@@ -323,6 +324,7 @@ class LayoutMixin:
         """
         group = self.param_groups[gi]
         layout = self._layout[gi]
+        self._steady = None
         carried: dict[int, tuple[dict[str, Any], int]] = {}
         for flat in layout.buffers:
             counts = flat.counter.counts()
@@ -358,10 +360,9 @@ class LayoutMixin:
 
     def _follow(self) -> None:
         """Re-pack groups whose parameters were moved, cast or unfrozen (``zero_grad``, ``state_dict``, loads)."""
-        full = self.checks == "full"
         for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):
             repack = self._unfrozen(group, layout)
-            moved = [(flat, flat.rebound()) for flat in layout.buffers if flat.moved(full)]
+            moved = [(flat, flat.rebound()) for flat in layout.buffers if flat.moved(self.checks)]
             for flat, rebound in moved:
                 for i in rebound:
                     repack |= self._check_rebound(flat, i, gi)

@@ -38,10 +38,12 @@ class SGD(FlatOptimizer):
     ``differentiable=True`` is refused.  The state is torch's ``momentum_buffer``,
     so checkpoints move both ways between the two.
 
-    Bit for bit equal to torch's single-tensor SGD except with ``nesterov=True``,
-    where the kernel subtracts ``lr * G_reg`` and ``lr * momentum * B`` as two
-    updates (torch adds them first): about 1 ulp of the parameters per step
-    (float32: 6e-8 after 5 steps; float64: 2e-16).  Where torch decides the
+    With ``backend="eager"``, bit for bit equal to torch's single-tensor SGD
+    except with ``nesterov=True``, where the kernel subtracts ``lr * G_reg`` and
+    ``lr * momentum * B`` as two updates (torch adds them first): about 1 ulp of
+    the parameters per step (float32: 6e-8 after 5 steps; float64: 2e-16).  On
+    the CPU the default backend runs torch's fused SGD kernel on the flat buffer
+    (``torch.optim.SGD(fused=True)``'s arithmetic: see dml_optim/fused.py).  Where torch decides the
     first buffer step by "no buffer yet", this rule decides it by ``T == 0``:
     turning ``momentum`` on mid-run with ``dampening != 0`` damps the first
     buffer step where torch would not.

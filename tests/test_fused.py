@@ -1,0 +1,551 @@
+"""The fused backend's own properties, the steady-state repeat of a step, and ``checks="refs"``.
+
+The fused backend (dml_optim/fused.py) calls torch's fused CPU kernels on the flat buffers; its
+results are held to torch.optim's ``fused=True`` twin (the same kernel: equal but for the elements
+its scalar tail computes in one layout and its vector loop in the other, 1 ulp per step: see
+:data:`TWIN`) and to the float64 references in the matrix tests (tests/test_optimizers.py).  Here: what is particular to it (where it runs and
+where it does not, fresh gradients read in place, counts it cannot take, the audit's view), the
+repeat of a steady step (``_repeat``: it must give bit for bit what the full path gives, under
+every change a training loop can make between steps), and the O(1) binding check that is now the
+default (every kind of re-binding seen, against torch's fused twin that re-reads its bindings
+every step).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import dml_optim
+from dml_optim import fused
+from dml_optim.backends import resolved_backends
+from dml_optim.opcount import OpRecorder
+from dml_optim.optimizers.base import FlatOptimizer
+from introspect import buffers
+
+BIG = 1 << 14  # a parameter this large is read in place (fused.LIST_MIN_ELEMENTS)
+
+#: ours and torch's fused twin, same hyperparameters (the twins of docs/design.md §2)
+TWINS = {
+    "adamw": (lambda p: dml_optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)),
+    "adam": (lambda p: dml_optim.Adam(p, lr=1e-2, epsilon=0.0, weight_decay=0.01),
+             lambda p: torch.optim.Adam(p, lr=1e-2, eps=0.0, weight_decay=0.01, fused=True)),
+    "adagrad": (lambda p: dml_optim.Adagrad(p, lr=0.1, lr_decay=0.01),
+                lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01, fused=True)),
+    "sgd": (lambda p: dml_optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1),
+            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, fused=True)),
+    "momentum": (lambda p: dml_optim.Momentum(p, lr=0.05, alpha=0.8, beta=0.7),
+                 lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, dampening=1.0 - 0.7, fused=True)),
+}
+
+
+def _values(shapes, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def _pair(name, shapes, dtype=torch.float32):
+    values = _values(shapes, dtype=dtype)
+    ours = [torch.nn.Parameter(v.clone()) for v in values]
+    theirs = [torch.nn.Parameter(v.clone()) for v in values]
+    make_ours, make_theirs = TWINS[name]
+    return ours, make_ours(ours), theirs, make_theirs(theirs)
+
+
+def _grads(shapes, step, dtype=torch.float32):
+    return _values(shapes, seed=1000 + step, dtype=dtype)
+
+
+#: torch's fused twin runs the same kernel over other tensors: an element in the kernel's scalar tail in one
+#: layout (its last ``numel % vector width`` elements, where the compiler contracts a multiply-add) can be in
+#: its vector loop in the other: 1 ulp apart per step (observed: 7.5e-9 absolute on values near 1 after 2 SGD
+#: steps, 2 of 142 elements); over a few steps a handful of ulps
+TWIN = dict(rtol=1e-6, atol=1e-6)
+
+
+def _assert_equal(ours, theirs, what=""):
+    """Bit for bit (ours against ours: the same kernel over the same layout is deterministic)."""
+    for i, (p, q) in enumerate(zip(ours, theirs)):
+        assert torch.equal(p.detach(), q.detach()), f"{what} parameter {i}: max |diff| {(p - q).abs().max().item()}"
+
+
+def _assert_twin(ours, theirs, what=""):
+    """Ours against torch's fused twin (:data:`TWIN`)."""
+    for i, (p, q) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(p.detach(), q.detach(), **TWIN, msg=lambda m, i=i: f"{what} parameter {i}: {m}")
+
+
+# -- where it runs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_auto_runs_fused_on_the_cpu_and_equals_torchs_fused_twin(name):
+    shapes = [(7, 5), (BIG + 3,), (1,)]
+    ours, opt, theirs, twin = _pair(name, shapes)
+    for step in range(6):
+        for p, q, g in zip(ours, theirs, _grads(shapes, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        twin.step()
+        _assert_twin(ours, theirs, f"{name} step {step}")
+    assert resolved_backends(opt) == [["fused"]]
+
+
+@pytest.mark.parametrize("options, why", [
+    (dict(state_dtype=torch.float16), "state_dtype"),
+    (dict(capturable=True), "capturable"),
+    (dict(state_bits=8), "quantized"),
+])
+def test_explicit_fused_where_it_cannot_run_warns_once_and_runs_autos_choice(options, why):
+    ps = [torch.nn.Parameter(torch.randn(5000)) for _ in range(2)]
+    opt = dml_optim.AdamW(ps, lr=1e-3, backend="fused", **options)
+    with pytest.warns(fused.FusedFallbackWarning, match=why) as record:
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn_like(p)
+            opt.step()
+    assert len(record) == 1
+    assert resolved_backends(opt)[0][0] in ("eager", "compiled")
+
+
+def test_rules_no_torch_kernel_computes_are_not_fused():
+    ps = [torch.nn.Parameter(torch.randn(10))]
+    post = dml_optim.Adam(ps, lr=1e-3, norm_coefficient_post=0.01)  # ONNX's post-update decay: no torch kernel
+    no_buffer = dml_optim.Momentum([torch.nn.Parameter(torch.randn(10))], lr=0.1, alpha=0.0, beta=0.5)
+    for opt in (post, no_buffer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.ones_like(p)
+        opt.step()
+        assert resolved_backends(opt) == [["eager"]]
+
+
+def test_a_float16_buffer_is_not_fused():
+    p = torch.nn.Parameter(torch.randn(10).half())
+    opt = dml_optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert resolved_backends(opt) == [["eager"]]
+
+
+def test_the_audit_sees_the_directml_op_chain_not_the_fused_kernel():
+    """Under a dispatch mode that is not the op counter (the audit), a fused buffer runs the eager rule, so
+    what is recorded is what DirectML runs; the op counter (the bench) sees the fused step as it runs."""
+    ps = [torch.nn.Parameter(torch.randn(100))]
+    opt = dml_optim.AdamW(ps, lr=1e-3)
+    ps[0].grad = torch.randn(100)
+    opt.step()
+    audit = OpRecorder(compiled=False)
+    with audit:
+        opt.step()
+    assert "aten::_fused_adamw_" not in audit.counts() and audit.counts()["aten::addcdiv_"] == 1
+    counter = OpRecorder(compiled=True)
+    with counter:
+        opt.step()
+    assert counter.counts()["aten::_fused_adamw_"] == 1 and counter.ops <= 2  # the kernel and the step number
+
+
+# -- gradients read in place, and gathered ------------------------------------------------------------
+
+
+def test_fresh_gradients_of_large_parameters_are_read_in_place():
+    """After ``zero_grad(set_to_none=True)`` the gradients are fresh tensors: a fused step reads them where
+    they are (no flat gradient buffer, no copy), and leaves ``p.grad`` the caller's, as torch.optim does."""
+    shapes = [(BIG,), (BIG + 8,)]
+    ours, opt, theirs, twin = _pair("adamw", shapes)
+    for step in range(4):
+        grads = _grads(shapes, step)
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        mine = [p.grad for p in ours]
+        opt.step()
+        twin.step()
+        assert all(p.grad is g for p, g in zip(ours, mine))
+        _assert_twin(ours, theirs)
+        opt.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+    assert buffers(opt)[0].grad is None
+
+
+def test_a_gradient_tensor_that_stays_is_gathered_once_and_the_steps_then_repeat():
+    """A gradient tensor of the caller's that stays from step to step and is written into (backward
+    accumulating into it, a model's ``zero_grad(set_to_none=False)``) is read in place once; the next step
+    sees the same tensor with a new version, gathers it into the flat buffer and points ``p.grad`` at its
+    view, and from then on steps repeat the plan (no planning, no gathering)."""
+    shapes = [(BIG,), (BIG,)]
+    ours, opt, theirs, twin = _pair("sgd", shapes)
+    for p, q in zip(ours, theirs):
+        p.grad, q.grad = torch.zeros_like(p), torch.zeros_like(q)
+    mine = [p.grad for p in ours]
+    repeats = []
+    for step in range(5):
+        for p, q, g in zip(ours, theirs, _grads(shapes, step)):
+            p.grad.zero_()
+            p.grad.add_(g)  # (what backward does to a gradient that stays)
+            q.grad.copy_(g)
+        repeats.append(opt._steady is not None)
+        opt.step()
+        twin.step()
+        _assert_twin(ours, theirs, f"step {step}")
+        if step == 0:
+            assert all(p.grad is g for p, g in zip(ours, mine)) and buffers(opt)[0].grad is None
+        else:
+            assert buffers(opt)[0].grad is not None and not any(p.grad is g for p, g in zip(ours, mine))
+    assert repeats == [False, False, True, True, True]  # (step 1 gathers and records the bindings; then repeats)
+
+
+def test_the_same_read_only_gradients_handed_over_again_are_read_in_place_every_step():
+    """Gradient tensors assigned anew each step (``p.grad = g``), even the same objects, and not written
+    in between, are read where they are at every step: no copy."""
+    shapes = [(BIG,), (BIG,)]
+    ours, opt, theirs, twin = _pair("adamw", shapes)
+    grads = _grads(shapes, 0)
+    for step in range(4):
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        twin.step()
+        _assert_twin(ours, theirs, f"step {step}")
+        assert all(p.grad is g for p, g in zip(ours, grads)) and buffers(opt)[0].grad is None
+
+
+def test_small_parameters_and_non_contiguous_gradients_are_gathered():
+    """Small parameters: a kernel call per tensor costs more than one copy into the flat buffer; a
+    non-contiguous gradient cannot be read as a flat range: both are gathered first.  (torch's own fused
+    CPU kernels read a non-contiguous gradient as if it were contiguous: torch.optim.SGD(fused=True)
+    steps a column-major gradient wrongly, on torch 2.4.1 and 2.13; the twin here gets contiguous ones.)"""
+    for shapes, transpose in (([(3, 4), (5,)], False), ([(BIG // 64, 64), (BIG,)], True)):
+        ours, opt, theirs, twin = _pair("adagrad", shapes)
+        for step in range(3):
+            for p, q, g in zip(ours, theirs, _grads(shapes, step)):
+                mine = g.t().contiguous().t() if transpose and g.dim() == 2 else g.clone()  # same values
+                assert mine.is_contiguous() is not (transpose and g.dim() == 2)
+                p.grad, q.grad = mine, g.clone()
+            opt.step()
+            twin.step()
+            _assert_twin(ours, theirs)
+        assert buffers(opt)[0].grad is not None
+
+
+def test_torch_fused_misreads_a_non_contiguous_gradient():
+    """Why non-contiguous gradients are gathered: torch's kernel itself reads them in memory order."""
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    g = torch.arange(12.0).view(3, 4).t()
+    opt = torch.optim.SGD([p], lr=1.0, fused=True)
+    p.grad = g.clone()
+    opt.step()
+    assert not torch.equal(p.detach(), -g)  # (if torch fixes this, the gather stays correct, only cautious)
+    q = torch.nn.Parameter(torch.zeros(4, 3))
+    ours = dml_optim.SGD([q], lr=1.0)
+    q.grad = g.clone()
+    ours.step()
+    assert torch.equal(q.detach(), -g)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
+def test_changing_none_patterns_step_once_per_kernel_without_a_repack(name):
+    """Parameters at several step counts keep the buffer's order (no re-pack): AdamW and SGD's later steps
+    take one kernel call whatever the counts, Adam one per distinct count (its eps depends on it)."""
+    shapes = [(BIG,)] * 5 if name != "sgd" else [(30,)] * 5
+    ours, opt, theirs, twin = _pair(name, shapes)
+    order = buffers(opt)[0].param_indices
+    patterns = [(1, 1, 1, 1, 1), (1, 0, 1, 0, 1), (0, 1, 1, 1, 0), (1, 1, 0, 0, 1), (1, 0, 1, 1, 1)]
+    for step, mask in enumerate(patterns * 2):
+        for p, q, g, m in zip(ours, theirs, _grads(shapes, step), mask):
+            p.grad, q.grad = (g.clone(), g.clone()) if m else (None, None)
+        counter = OpRecorder(compiled=True)
+        with counter:
+            opt.step()
+        twin.step()
+        _assert_twin(ours, theirs, f"step {step}")
+        before = {c - 1 for c, m in zip(buffers(opt)[0].step_counts, mask) if m}  # the counts that stepped
+        kernels = sum(n for k, n in counter.counts().items() if "_fused_" in k)
+        # SGD: dampening 0 for a first step; Adam with epsilon 0: eps 0 whatever the count
+        assert kernels == (len({c == 0 for c in before}) if name == "sgd" else 1)
+    assert buffers(opt)[0].param_indices == order
+
+
+def test_adam_with_an_epsilon_takes_one_call_per_distinct_count():
+    """ONNX Adam's epsilon goes before the bias correction: torch's eps is epsilon / sqrt(1 - beta**T), one
+    value per count; the result follows the ONNX rule (against the eager backend, which runs it as written)."""
+    shapes = [(BIG,)] * 3
+    values = _values(shapes)
+    ps, qs = ([torch.nn.Parameter(v.clone()) for v in values] for _ in range(2))
+    opt = dml_optim.Adam(ps, lr=1e-2, epsilon=1e-3)
+    ref = dml_optim.Adam(qs, lr=1e-2, epsilon=1e-3, backend="eager")
+    for step, mask in enumerate([(1, 1, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]):
+        for p, q, g, m in zip(ps, qs, _grads(shapes, step), mask):
+            p.grad, q.grad = (g.clone(), g.clone()) if m else (None, None)
+        counter = OpRecorder(compiled=True)
+        with counter:
+            opt.step()
+        ref.step()
+        before = {c - 1 for c, m in zip(buffers(opt)[0].step_counts, mask) if m}
+        assert counter.counts()["aten::_fused_adam_"] == len(before)
+        for p, q in zip(ps, qs):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_count_the_kernel_cannot_take_runs_the_rule():
+    """torch's kernels read the step number as a float32: past 2**24 the buffer runs the eager rule."""
+    p = torch.nn.Parameter(torch.randn(10, dtype=torch.float64))
+    q = torch.nn.Parameter(p.detach().clone())
+    big = dml_optim.AdamW([p], lr=1e-3)
+    ref = dml_optim.AdamW([q], lr=1e-3, backend="eager")
+    for opt in (big, ref):
+        sd = opt.state_dict()
+        sd["state"] = {0: {"step": torch.tensor(float(fused.MAX_COUNT + 1)), "exp_avg": torch.full((10,), 0.1, dtype=torch.float64),
+                           "exp_avg_sq": torch.full((10,), 0.01, dtype=torch.float64)}}
+        opt.load_state_dict(sd)
+    g = torch.randn(10, dtype=torch.float64)
+    p.grad, q.grad = g.clone(), g.clone()
+    big.step()
+    ref.step()
+    assert torch.equal(p, q)
+
+
+# -- the steady-state repeat ---------------------------------------------------------------------------
+
+
+def _without_repeat(opt):
+    opt._repeat = lambda: False  # (an instance attribute: this optimizer always plans from scratch)
+    return opt
+
+
+def _loop(opts, params, step, events):
+    """One training-loop step for every optimizer: our zero_grad (gradient views kept), gradients
+    written in place as autograd accumulates, then whatever ``events`` does at this step."""
+    for opt, ps in zip(opts, params):
+        opt.zero_grad()
+        for i, p in enumerate(ps):
+            g = torch.sin((i + 1) * (step + 1) * torch.linspace(0, 1, p.numel(), dtype=p.dtype)).view_as(p)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        events(step, opt, ps)
+        opt.step()
+
+
+def _events(step, opt, ps):
+    group = opt.param_groups[0]
+    if step == 5:
+        group["lr"] *= 0.5  # a scheduler
+    if step == 8:
+        ps[1].grad = None  # a parameter without a gradient this step
+    if step == 11:
+        ps[0].grad = ps[0].grad.clone()  # a fresh gradient tensor
+    if step == 14:
+        ps[2].requires_grad_(False)  # frozen ...
+    if step == 17:
+        ps[2].requires_grad_(True)  # ... and unfrozen
+    if step == 20:
+        sd = opt.state_dict()
+        opt.load_state_dict(sd)
+    if step == 23:
+        ps[1].data = ps[1].detach().clone()  # re-bound parameter values
+    if step == 26:
+        opt.add_param_group({"params": [ps[3]], "lr": 0.02})
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+@pytest.mark.parametrize("checks", ["refs", "full", "fast"])
+def test_the_repeated_step_equals_the_full_path_under_every_change(name, checks):
+    shapes = [(6, 5), (40,), (3,), (7,)]
+    make = TWINS[name][0]
+    values = _values(shapes)
+    params = [[torch.nn.Parameter(v.clone()) for v in values] for _ in range(2)]
+    opts = [make(ps[:3]) for ps in params]
+    for opt in opts:
+        opt.checks = checks
+    _without_repeat(opts[1])
+    repeats = []
+    real = FlatOptimizer._repeat
+
+    def counting(self):
+        done = real(self)
+        repeats.append(done)
+        return done
+
+    FlatOptimizer._repeat = counting
+    try:
+        for step in range(30):
+            _loop(opts, params, step, _events)
+            _assert_equal(params[0], params[1], f"{name} checks={checks} step {step}")
+    finally:
+        FlatOptimizer._repeat = real
+    assert sum(repeats) >= 5  # the quiet stretches of the loop repeat the plan (steps 2-4 at least)
+
+
+def test_the_repeat_is_not_used_where_the_full_path_must_run():
+    """atomic=True, nonfinite checks, a dispatch mode: the full path every step."""
+    for options in (dict(atomic=True), dict(nonfinite="raise"), dict(nonfinite="skip")):
+        p = torch.nn.Parameter(torch.randn(50))
+        opt = dml_optim.AdamW([p], lr=1e-3, **options)
+        opt.zero_grad()
+        for _ in range(3):
+            p.grad = torch.ones(50) if p.grad is None else p.grad.fill_(1.0)
+            opt.step()
+        assert opt._steady is None, options
+    p = torch.nn.Parameter(torch.randn(50))
+    opt = dml_optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones(50)
+    opt.step()
+    opt.zero_grad()
+    opt.step()
+    assert opt._steady is not None
+    with OpRecorder(compiled=False):
+        assert not opt._repeat()
+
+
+def test_a_copy_plans_its_first_step_from_scratch():
+    p = torch.nn.Parameter(torch.randn(50))
+    opt = dml_optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones(50)
+    opt.step()
+    opt.zero_grad()
+    opt.step()
+    assert opt._steady is not None
+    twin = copy.deepcopy(opt)
+    assert twin._steady is None
+
+
+# -- checks="refs": every re-binding is seen -------------------------------------------------------------
+
+
+def _rebind_grad(ps, qs):
+    ps[0].grad = ps[0].grad.clone()
+
+
+def _rebind_grad_data(ps, qs):
+    ps[1].grad.data = ps[1].grad.data.clone()  # what model.to() does to the gradients it finds
+
+
+def _grad_to_none(ps, qs):
+    ps[2].grad = None
+    qs[2].grad = None
+
+
+def _rebind_param(ps, qs):
+    ps[0].data = ps[0].detach().clone()
+
+
+def _model_to_float64_and_back(ps, qs):
+    for p in ps:
+        p.data = p.data.double()
+        if p.grad is not None:
+            p.grad.data = p.grad.data.double()
+    for p in ps:
+        p.data = p.data.float()
+        if p.grad is not None:
+            p.grad.data = p.grad.data.float()
+
+
+def _hold_an_alias(ps, qs):
+    ps[0].held = ps[0].grad.view(-1)  # an extra view of the buffer, kept: a diagnosis finds nothing wrong
+
+
+def _drop_the_alias(ps, qs):
+    if hasattr(ps[0], "held"):
+        del ps[0].held
+
+
+REBINDINGS = {
+    "grad-replaced": _rebind_grad,
+    "grad-data-replaced": _rebind_grad_data,
+    "grad-none": _grad_to_none,
+    "param-data-replaced": _rebind_param,
+    "model-cast-round-trip": _model_to_float64_and_back,
+    "alias-held-then-dropped": lambda ps, qs: (_hold_an_alias(ps, qs)),
+}
+
+
+@pytest.mark.parametrize("rebind", sorted(REBINDINGS))
+def test_refs_sees_every_rebinding_and_the_steps_stay_torchs(rebind):
+    shapes = [(8, 4), (50,), (3,)]
+    ours, opt, theirs, twin = _pair("adamw", shapes)
+    assert opt.checks == "refs"
+    for step in range(8):
+        opt.zero_grad()
+        twin.zero_grad()
+        for p, q, g in zip(ours, theirs, _grads(shapes, step)):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            q.grad = g.clone()
+        if step == 3:
+            REBINDINGS[rebind](ours, theirs)
+        if step == 6:
+            _drop_the_alias(ours, theirs)
+        opt.step()
+        twin.step()
+        _assert_twin(ours, theirs, f"{rebind} step {step}")
+
+
+def test_refs_is_o1_a_steady_step_reads_no_parameter():
+    """The default check reads two use counts per buffer, no parameter: a step over 2,000 parameters
+    does not call ``Tensor.data_ptr`` or read ``.grad`` of any of them."""
+    ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(2000)]
+    opt = dml_optim.SGD(ps, lr=0.1, momentum=0.9)
+    for p in ps:
+        p.grad = torch.ones(4)
+    opt.step()
+    opt.zero_grad()
+    opt.step()
+    flat = opt._layout[0].buffers[0]
+    assert flat.check("refs")
+    reads = []
+    real = torch.Tensor.data_ptr
+
+    def counting(self):
+        reads.append(1)
+        return real(self)
+
+    torch.Tensor.data_ptr = counting
+    try:
+        opt.step()
+    finally:
+        torch.Tensor.data_ptr = real
+    assert reads == []
+
+
+def test_full_also_sees_a_parameter_rebound_inside_its_own_buffer():
+    """The one change the use counts cannot see: a parameter re-bound to another place of the same buffer
+    (``p1.data = p2.data``: no tensor leaves or joins the storage).  ``checks="full"`` sees it and adopts
+    the values (copies them back into the parameter's own slice), as it always did."""
+    values = _values([(5,), (5,)])
+    for checks in ("full", "refs"):
+        ps = [torch.nn.Parameter(v.clone()) for v in values]
+        opt = dml_optim.SGD(ps, lr=0.1, checks=checks)
+        for p in ps:
+            p.grad = torch.ones(5)
+        opt.step()
+        opt.zero_grad()
+        for p in ps:
+            p.grad.fill_(1.0)
+        ps[0].data = ps[1].data  # tie p0 to p1's slice
+        flat = opt._layout[0].buffers[0]
+        assert flat.check(checks) is (checks == "refs")
+
+
+def test_the_default_is_refs_and_bad_modes_are_refused():
+    p = torch.nn.Parameter(torch.randn(3))
+    assert dml_optim.AdamW([p]).checks == "refs"
+    with pytest.raises(ValueError, match="checks"):
+        dml_optim.AdamW([p], checks="none")
+
+
+def test_no_warnings_on_the_default_path():
+    ps = [torch.nn.Parameter(torch.randn(100)) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = dml_optim.AdamW(ps)
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(100)
+            opt.step()
