@@ -213,14 +213,19 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None) -> tuple | None:
     numbers: list[float] = []  # the step number of each distinct count, in the order of the step tensors
     steps: dict[int, torch.Tensor] = {}
     calls: dict[tuple, tuple[list, list]] = {}  # (kernel, keyword items) -> (classes, their step tensors)
-    keys: dict[int, tuple] = {}
+    keys: dict[int, tuple] = {}  # per count, its kernel and keyword arguments (as the class says they vary)
+    vary = cls.fused_counts
     for c in classes:
         step = steps.get(c.count)
         if step is None:  # a new count: a step tensor holding its step number, and its kernel's arguments
             step = steps[c.count] = cache.step_views[len(numbers)]
             numbers.append(c.count + 1.0)
-            op, kwargs = cls.fused_kernel(group, c.count)
-            keys[c.count] = (op, *kwargs.items())
+            like = c.count if vary == "each" else (0 if vary == "none" or c.count == 0 else 1)
+            key = keys.get(like)
+            if key is None:
+                op, kwargs = cls.fused_kernel(group, c.count)
+                key = keys[like] = (op, *kwargs.items())
+            keys[c.count] = key
         key = keys[c.count]
         entry = calls.get(key)
         if entry is None:

@@ -549,3 +549,24 @@ def test_no_warnings_on_the_default_path():
             for p in ps:
                 p.grad = torch.randn(100)
             opt.step()
+
+
+@pytest.mark.parametrize("name", ["adam", "dml-adam", "adamw", "adagrad", "momentum", "sgd"])
+def test_each_class_says_truly_how_its_kernel_arguments_depend_on_the_count(name):
+    """``fused_counts`` lets a step compute a kernel's arguments once per distinct value instead of once
+    per distinct count: it must say no less than the truth (checked over counts 0 to 50)."""
+    from dml_optim.optimizers import registry
+    from matrix import ENTRIES
+
+    cls = registry.get(name)
+    for variant in ENTRIES[name].variants:
+        hyper = {**cls.spec.defaults(), **variant.hyper}
+        if cls.fused_kernel(hyper, 0) is None:
+            continue
+        args = [cls.fused_kernel(hyper, n) for n in range(51)]
+        if cls.fused_counts == "none":
+            assert all(a == args[0] for a in args), variant.id
+        elif cls.fused_counts == "first":
+            assert all(a == args[1] for a in args[1:]), variant.id
+        else:
+            assert cls.fused_counts == "each"

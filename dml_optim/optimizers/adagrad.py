@@ -103,6 +103,8 @@ class Adagrad(FlatOptimizer):
     def rule(x, g, h, *, scratch, **scalars):
         F.adagrad_(x, g, h, scratch=scratch[0], scratch2=scratch[1], **scalars)
 
+    fused_counts = "none"
+
     @classmethod
     def fused_kernel(cls, hyper, count):
         # torch.optim.Adagrad: lr / (1 + (step - 1) * lr_decay) with step = T + 1

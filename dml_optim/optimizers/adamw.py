@@ -119,6 +119,8 @@ class AdamW(FlatOptimizer):
     def rule(x, g, m, v, v_max=None, *, scratch, **scalars):
         F.adam_(x, g, m, v, h_max=v_max, scratch=scratch[0], **scalars)
 
+    fused_counts = "none"
+
     @classmethod
     def fused_kernel(cls, hyper, count):
         return "_fused_adamw_", {k: hyper[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps", "amsgrad",

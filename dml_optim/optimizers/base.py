@@ -115,6 +115,9 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
     zero_skips: ClassVar[tuple[str, ...]] = ()
     #: Scratch tensors the rule takes (the most it ever uses).
     scratch_slots: ClassVar[int] = 1
+    #: How :meth:`fused_kernel`'s arguments depend on the count: ``"none"`` (the same for every count),
+    #: ``"first"`` (one set at count 0, one after), ``"each"`` (a set per count).
+    fused_counts: ClassVar[str] = "each"
     #: ``f(saved_torch_group) -> reason | None``: torch.optim checkpoints this class must refuse
     #: beyond the generic flags check (AdamW refuses an L2-decay Adam checkpoint).
     checkpoint_refusal: ClassVar[Callable[[dict], str | None] | None] = None

@@ -96,6 +96,8 @@ class Momentum(FlatOptimizer):
     def rule(x, g, v, *, scratch, **scalars):
         F.momentum_(x, g, v, scratch=scratch[0], **scalars)
 
+    fused_counts = "first"
+
     @classmethod
     def fused_kernel(cls, hyper, count):
         # torch.optim.SGD's kernel: buffer = momentum * buffer + (1 - dampening) * G_reg; ONNX's first step

@@ -101,6 +101,8 @@ class SGD(FlatOptimizer):
     def rule(x, g, v=None, *, scratch, **scalars):
         F.momentum_(x, g, v, scratch=scratch[0], **scalars)
 
+    fused_counts = "first"
+
     @classmethod
     def fused_kernel(cls, hyper, count):
         # the first buffer step is the gradient (T == 0, as the rule decides it): dampening 0 into a zero buffer
