@@ -51,6 +51,7 @@ once, where it cannot run.
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 import weakref
@@ -59,7 +60,8 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch
 
-__all__ = ["FusedFallbackWarning", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS", "unsupported", "reads_in_place", "remember_read",
+__all__ = ["FusedFallbackWarning", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS", "unsupported", "kernel_scalars",
+           "reads_in_place", "remember_read",
            "plan", "run", "warn_fallback"]
 
 
@@ -84,6 +86,25 @@ MAX_COUNT = (1 << 24) - 2
 LIST_MIN_ELEMENTS = 1 << 14
 _DTYPES = (torch.float32, torch.float64)
 _WARNED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def kernel_scalars(op: str, kwargs: dict[str, Any], steps) -> float:
+    """The largest magnitude among the scalars torch's kernel ``op`` computes in float64 and rounds to the
+    parameters' dtype, over step numbers ``steps`` (count + 1: a number, or a float64 tensor): a value beyond that
+    dtype's range would be written as inf, where the rule itself may be finite (AdamW: the kernel's
+    ``lr / (1 - beta1**t)`` overflows float32 before the rule's ``lr * sqrt(1 - beta2**t) / (1 - beta1**t)``
+    does), so such counts take the other backends' path."""
+    values = [abs(v) for v in kwargs.values() if isinstance(v, float)]
+    if op in ("_fused_adam_", "_fused_adamw_"):
+        log_beta1 = math.log(kwargs["beta1"]) if kwargs["beta1"] > 0 else -math.inf
+        if isinstance(steps, torch.Tensor):
+            values.append((kwargs["lr"] / torch.expm1(steps * log_beta1).neg()).abs().max().item())
+        else:
+            values.append(abs(kwargs["lr"] / -math.expm1(steps * log_beta1)))
+        values.append(abs(kwargs["lr"] * kwargs["weight_decay"]))
+    if op == "_fused_sgd_":
+        values.append(abs(1 - kwargs["dampening"]))
+    return max(values)
 
 
 def _available(op: str) -> bool:
@@ -206,7 +227,8 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None) -> tuple | None:
         if not c.active or c.count is None or c.count > MAX_COUNT:
             return None
         op, kwargs = cls.fused_kernel(group, c.count)
-        return (cache, [c.count + 1.0]), [(getattr(torch, op), cache.whole_arguments(flat, names, op), kwargs)]
+        numbers = [c.count + 1.0] if KERNELS[op][1] else []  # (SGD's kernel reads no step number)
+        return (cache, numbers), [(getattr(torch, op), cache.whole_arguments(flat, names, op), kwargs)]
     classes = [c for c in classes if c.active]
     if not classes or any(c.count is None or c.count > MAX_COUNT for c in classes):
         return None
@@ -255,7 +277,7 @@ def run(planned: tuple) -> None:
     (cache, numbers), calls = planned
     if len(numbers) == 1:
         cache.step_views[0].fill_(numbers[0])
-    else:
+    elif numbers:
         cache.steps[: len(numbers)].copy_(torch.tensor(numbers, dtype=torch.float32))
     for fn, args, kwargs in calls:
         fn(*args, **kwargs)

@@ -570,3 +570,25 @@ def test_each_class_says_truly_how_its_kernel_arguments_depend_on_the_count(name
             assert all(a == args[1] for a in args[1:]), variant.id
         else:
             assert cls.fused_counts == "each"
+
+
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_per_step_scalars_beyond_the_dtype_are_refused_before_any_write(backend):
+    """AdamW's step size is lr * sqrt(1 - b2**T) / (1 - b1**T): with lr = 2e38 and b1 = 0.99 it is 6.3e38 at
+    T = 1, beyond float32 (the kernel would write inf): refused, nothing written, on every backend.  At
+    T = 10 it is 2.1e38 (and smaller later): a buffer past its first counts steps (the fused backend checks
+    the next 256 counts at once, and each count alone only when one of them is out of range)."""
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = dml_optim.AdamW([p], lr=2e38, betas=(0.99, 0.999), weight_decay=0.0, backend=backend)
+    p.grad = torch.randn(64)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="step_size=.*beyond the range of torch.float32"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and buffers(opt)[0].step_counts == (0,)
+    sd = opt.state_dict()
+    sd["state"] = {0: {"step": torch.tensor(9.0), "exp_avg": torch.zeros(64), "exp_avg_sq": torch.ones(64)}}
+    opt.load_state_dict(sd)
+    for _ in range(3):
+        opt.step()
+    assert buffers(opt)[0].step_counts == (12,) and torch.isfinite(p).all()
+    assert resolved_backends(opt) == [[backend]]

@@ -29,9 +29,13 @@ from typing import Any, Callable
 
 import torch
 
+from dml_optim.backends import compiles, fuses, masked_runner, runner_for, tiers
+from dml_optim.compiled import _dispatch_mode_active, _is_compiling
 from dml_optim.flat import FlatBuffer, describe_param
-from dml_optim.fused import remember_read
+from dml_optim.fused import kernel_scalars, remember_read
+from dml_optim.fused import plan as plan_fused
 from dml_optim.fused import run as run_fused
+from dml_optim.optimizers.layout import _unchanged
 from dml_optim.steps import StepClass
 from dml_optim.options import CHUNK_ELEMENTS, LOW_PRECISION_DTYPES
 from dml_optim.quant import QuantizedState, format_for
@@ -48,6 +52,8 @@ MASKED_DEVICES = ("privateuseone", "cuda")
 
 #: The class slot of a planned update that runs torch's fused kernel (:mod:`dml_optim.fused`).
 FUSED = "fused"
+#: How many counts a fused buffer's range check covers at once (:meth:`EngineMixin._counts_in_range`).
+_AHEAD = 256
 
 #: The largest finite value of each compute dtype (``torch.finfo`` is not free on every step).
 _LIMITS: dict[torch.dtype, float] = {}
@@ -171,8 +177,6 @@ class EngineMixin:
 
     def _run(self, work, gate: Callable[[dict, FlatBuffer], torch.Tensor | None]) -> list:
         """Plan every class update (checks and host coefficients), then commit them; returns the plan."""
-        from dml_optim.backends import compiles, fuses, masked_runner, runner_for
-
         cls = type(self)
         planned = []
         for group, flat in work:
@@ -228,9 +232,6 @@ class EngineMixin:
         have changed (each group's settings and frozen parameters, each buffer's bindings and step
         class, a dispatch mode or a dynamo trace) and then plans and commits exactly as :meth:`_run`
         does, through the same functions.  Anything else takes the full path (False)."""
-        from dml_optim.compiled import _dispatch_mode_active, _is_compiling
-        from dml_optim.optimizers.layout import _unchanged
-
         flats = self._steady
         if (_is_compiling() or _dispatch_mode_active() or getattr(self, "found_inf", None) is not None
                 or self.atomic):
@@ -261,9 +262,7 @@ class EngineMixin:
         """The kernel calls of a fused step of ``flat`` (:func:`dml_optim.fused.plan`), after the same step-limit
         and range checks as the other paths (the rule's host scalars of each count, kept per settings), or None
         when a count rules the kernel out."""
-        from dml_optim.fused import plan
-
-        calls = plan(self, group, flat, flat.pending)
+        calls = plan_fused(self, group, flat, flat.pending)
         if calls is None:
             return None
         cls = type(self)
@@ -273,15 +272,39 @@ class EngineMixin:
         for c in flat.counter.classes:
             n = c.count
             if c.active and not checked[1] <= n <= checked[2]:  # (the constants were checked with the settings)
-                self._check_step_limit(n)
+                if self._counts_in_range(group, flat, n, _AHEAD):  # (the next counts at once: one check in 256 steps)
+                    checked[1:] = [n, n + _AHEAD - 1] if checked[2] + 1 != n else [checked[1], n + _AHEAD - 1]
+                    continue
+                self._check_step_limit(n)  # (one of the next counts is out of range: this one, exactly)
                 self._check_range(group, flat, cls.coefficients(group, n + cls.step_offset))
-                if n == checked[2] + 1:  # (counts advance by one a step: the range grows at its top)
-                    checked[2] = n
-                elif n == checked[1] - 1:
-                    checked[1] = n
-                elif checked[2] < checked[1]:
-                    checked[1] = checked[2] = n
+                if not self._counts_in_range(group, flat, n, 1, rule=False):
+                    return None  # (the rule's scalars fit, torch's kernel's do not: the rule runs as written)
         return calls
+
+    def _counts_in_range(self, group, flat: FlatBuffer, first: int, n: int, rule: bool = True) -> bool:
+        """Counts ``first .. first + n - 1`` are within the step limit and give per-step scalars the compute
+        dtype holds: the rule's (with ``rule``; its coefficients computed over a float64 tensor of the counts,
+        a few ops for all) and those torch's fused kernel computes (:func:`dml_optim.fused.kernel_scalars`)."""
+        cls = type(self)
+        if first + n > cls.max_step:
+            return False
+        cdtype = self._compute_dtype(group, flat.dtype, flat.bits)
+        limit = _LIMITS.get(cdtype) or _LIMITS.setdefault(cdtype, torch.finfo(cdtype).max)
+        limit *= 1 - 1e-9  # (a margin for the tensor arithmetic's rounding; NaN fails every comparison)
+        counts = torch.arange(first, first + n, dtype=torch.float64)
+        worst = []
+        if rule:
+            worst += [v.abs().max().item() if isinstance(v, torch.Tensor) else abs(v)
+                      for v in cls.coefficients(group, counts + cls.step_offset).values()]
+        if cls.fused_counts == "each":  # (its keywords differ per count: each with its own step number)
+            for like in range(first, first + n):
+                op, kwargs = cls.fused_kernel(group, like)
+                worst.append(kernel_scalars(op, kwargs, like + 1.0))
+        else:
+            for like in dict.fromkeys((first, first + n - 1)):
+                op, kwargs = cls.fused_kernel(group, like)
+                worst.append(kernel_scalars(op, kwargs, counts + 1))
+        return all(w <= limit for w in worst)
 
     def _several_counts(self, group, flat: FlatBuffer) -> bool:
         """The parameters of ``flat`` with a gradient have two or more step counts, all known on the host,
@@ -303,8 +326,6 @@ class EngineMixin:
             return True
         # two runs (e.g. the layers unfrozen last, and the others): two plain eager rules cost fewer
         # passes over memory than one masked eager update; one compiled kernel beats two
-        from dml_optim.backends import masked_runner
-
         return masked_runner(self, group, flat) is not None
 
     def _masked_plan(self, group, flat: FlatBuffer, compiled: bool) -> tuple:
@@ -361,8 +382,6 @@ class EngineMixin:
         write; otherwise the exception gets a note naming what may have been
         partially updated.
         """
-        from dml_optim.backends import tiers
-
         snapshot = self._snapshot(work) if self.atomic else None
         done = 0
         try:
