@@ -179,7 +179,7 @@ class _Cache:
         self.step_views = self.steps.unbind(0)
         self.states: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.whole: tuple | None = None  # (operands, {op: argument lists}) of a step of the whole buffer
-        self.checked: list = [None, 0, -1]  # [settings token, lo, hi]: counts whose scalars passed the range check
+        self.checked: tuple = (None, set())  # (settings token, blocks of counts whose scalars passed the range check)
         self.read: dict | None = None  # per parameter, the gradient the last step read in place: (weakref, version)
 
     def whole_arguments(self, flat, names: tuple[str, ...], op: str) -> list:

@@ -592,3 +592,33 @@ def test_per_step_scalars_beyond_the_dtype_are_refused_before_any_write(backend)
         opt.step()
     assert buffers(opt)[0].step_counts == (12,) and torch.isfinite(p).all()
     assert resolved_backends(opt) == [[backend]]
+
+
+def test_the_range_check_runs_once_per_block_of_counts_not_once_per_step():
+    """Parameters at counts far apart (a layer unfrozen late beside one trained for long): each count's
+    block of 256 is checked once, not re-checked at every step (a single remembered range used to swing
+    between the two, costing a check of 256 counts per step: 0.6 ms of 0.35)."""
+    from dml_optim.optimizers.engine import EngineMixin
+
+    a, b = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    opt = dml_optim.AdamW([a, b], lr=1e-3)
+    sd = opt.state_dict()
+    sd["state"] = {0: {"step": torch.tensor(5.0), "exp_avg": torch.zeros(8), "exp_avg_sq": torch.zeros(8)},
+                   1: {"step": torch.tensor(600.0), "exp_avg": torch.zeros(8), "exp_avg_sq": torch.zeros(8)}}
+    opt.load_state_dict(sd)
+    calls = []
+    real = EngineMixin._counts_in_range
+
+    def counting(self, *args, **kwargs):
+        calls.append(args[2])
+        return real(self, *args, **kwargs)
+
+    EngineMixin._counts_in_range = counting
+    try:
+        for _ in range(20):
+            a.grad, b.grad = torch.ones(8), torch.ones(8)
+            opt.step()
+    finally:
+        EngineMixin._counts_in_range = real
+    assert sorted(calls) == [0, 512], calls  # (counts 5..24 in block 0, 600..619 in block 2)
+    assert buffers(opt)[0].step_counts == (25, 620)

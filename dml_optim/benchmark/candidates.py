@@ -80,6 +80,21 @@ class Candidate:
             if g is not None:
                 p.grad = g.clone() if self.ours else g
 
+    def settle_gradients(self, grads: list[torch.Tensor | None]) -> None:
+        """Put a dml_optim candidate where a training loop's steps find it after a first step:
+        ``zero_grad()`` (dml_optim's default keeps each ``p.grad`` a view of the flat gradient buffer) and
+        ``grads`` written into those views, as backward writes them, so the timed steps read the
+        gradients there, as torch.optim's read the tensors ``p.grad`` holds.  (Left as the caller's
+        tensors, large ones would be read in place at every step: the path of a loop that calls
+        ``zero_grad(set_to_none=True)``, which the None-pattern row measures.)  torch.optim: nothing."""
+        if not self.ours:
+            return
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for p, g in zip(self.params, grads):
+                if g is not None and p.grad is not None:
+                    p.grad.copy_(g)
+
     def optimizer_bytes(self) -> int:
         """Memory the optimizer holds beyond parameters and gradients: states, scratch, master copy
         and compensation for dml_optim (whose flat buffers replace the parameters' and gradients'
@@ -159,23 +174,13 @@ def build_optimizer(name: str, optimizer: str, params: list[torch.nn.Parameter],
 def start(name: str, optimizer: str, params: list[torch.nn.Parameter], grads: list[torch.Tensor | None],
           device: torch.device, **options) -> Candidate:
     """Build candidate ``name`` of ``optimizer`` over ``params`` (:func:`build_optimizer`), give it ``grads``
-    and take its first step (timed).  A compile fallback raises instead of passing for ``compiled``.
-
-    Then a dml_optim candidate is put where a training loop's steps find it: ``zero_grad()`` (dml_optim's
-    default keeps each ``p.grad`` a view of the flat gradient buffer) and the gradients written into those
-    views, as backward writes them; the timed steps read the gradients there, as torch.optim's read the
-    tensors ``p.grad`` holds.  (Left as the caller's tensors, large ones would be read in place at every step,
-    the path of a loop that calls ``zero_grad(set_to_none=True)``: the None-pattern row measures that one.)"""
+    and take its first step (timed), then settle its gradients (:meth:`Candidate.settle_gradients`).  A compile
+    fallback raises instead of passing for ``compiled``."""
     with no_compile_fallback():
         cand = Candidate(name, build_optimizer(name, optimizer, params, **options), params)
         cand.attach(grads)
         cand.first_step_s = wall_seconds(cand.step, device, probe=params[-1])
-        if cand.ours:
-            cand.opt.zero_grad()
-            with torch.no_grad():
-                for p, g in zip(params, grads):
-                    if g is not None and p.grad is not None:
-                        p.grad.copy_(g)
+        cand.settle_gradients(grads)
     return cand
 
 

@@ -73,6 +73,7 @@ def measure_unfreezing(optimizer: str, device: torch.device, dtype: torch.dtype,
                 c.attach(fresh)
                 try:
                     c.first_step_s = wall_seconds(c.step, device, probe=c.params[-1])
+                    c.settle_gradients(gradients(work, device, dtype))
                 except Exception as exc:  # torch.optim.SGD(fused=True) refuses new parameters: n/a from here on
                     cands.remove(c)
                     blank[c.name].update(available=False, reason=f"after unfreezing: {error_text(exc)}")

@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dml_optim.backends import compiles, fuses, masked_runner, runner_for, tiers
 from dml_optim.compiled import _dispatch_mode_active, _is_compiling
@@ -52,6 +53,11 @@ MASKED_DEVICES = ("privateuseone", "cuda")
 
 #: The class slot of a planned update that runs torch's fused kernel (:mod:`dml_optim.fused`).
 FUSED = "fused"
+def _all_active(flat: FlatBuffer) -> bool:
+    """Every step class of ``flat`` has its gradients (as the last step's binding found them)."""
+    return all(c.active for c in flat.counter.classes)
+
+
 #: How many counts a fused buffer's range check covers at once (:meth:`EngineMixin._counts_in_range`).
 _AHEAD = 256
 
@@ -212,14 +218,15 @@ class EngineMixin:
         return planned
 
     def _repeatable(self, work, planned) -> tuple | None:
-        """The buffers of a step :meth:`_repeat` may repeat: every buffer of every group stepped, each as one
-        class in one fused call over the whole buffer (its own gradients, every one present), with nothing
-        a plain step cannot skip (``atomic``, ``nonfinite`` checks); else None."""
+        """The buffers of a step :meth:`_repeat` may repeat: every buffer of every group stepped, in torch's
+        fused kernel over its own gradients, every parameter with one (every step class active: one class,
+        or the runs of parameters unfrozen at different times), with nothing a plain step cannot skip
+        (``atomic``, ``nonfinite`` checks); else None."""
         flats = tuple(flat for layout in self._layout for flat in layout.buffers)
         if (self.atomic or len(planned) != len(flats) or any(g["nonfinite"] != "propagate" for g in self.param_groups)
                 or any(entry[2] is not FUSED for entry in planned)):
             return None
-        if (any(a is not b[1] for a, b in zip(flats, work)) or any(len(f.counter.classes) != 1 for f in flats)
+        if (any(a is not b[1] for a, b in zip(flats, work)) or any(not _all_active(f) for f in flats)
                 or any(f.uses is None for f in flats)):  # (every gradient in its view: what a repeat checks for)
             return None
         return flats
@@ -245,7 +252,7 @@ class EngineMixin:
                 return False
             for flat in layout.buffers:  # (settings validated anew since this buffer's last step: plan anew)
                 if (k >= len(flats) or flat is not flats[k] or flat.settings is not layout.checked
-                        or len(flat.counter.classes) != 1 or not flat.check(mode)):
+                        or not _all_active(flat) or not flat.check(mode)):
                     return False
                 k += 1
                 calls = self._fused_plan(group, flat)
@@ -266,16 +273,18 @@ class EngineMixin:
         if calls is None:
             return None
         cls = type(self)
-        checked = flat.fused.checked  # [settings, lo, hi]: the counts lo..hi passed under these settings
+        checked = flat.fused.checked  # (settings, {n // _AHEAD: the counts of that block passed under them})
         if checked[0] is not flat.settings:
-            checked[:] = [flat.settings, 0, -1]
+            checked = flat.fused.checked = (flat.settings, set())
         for c in flat.counter.classes:
             n = c.count
-            if c.active and not checked[1] <= n <= checked[2]:  # (the constants were checked with the settings)
-                if self._counts_in_range(group, flat, n, _AHEAD):  # (the next counts at once: one check in 256 steps)
-                    checked[1:] = [n, n + _AHEAD - 1] if checked[2] + 1 != n else [checked[1], n + _AHEAD - 1]
+            if c.active and n // _AHEAD not in checked[1]:  # (the constants were checked with the settings)
+                if self._counts_in_range(group, flat, n - n % _AHEAD, _AHEAD):  # (a block at once: 1 check in 256)
+                    if len(checked[1]) >= 64:
+                        checked[1].clear()
+                    checked[1].add(n // _AHEAD)
                     continue
-                self._check_step_limit(n)  # (one of the next counts is out of range: this one, exactly)
+                self._check_step_limit(n)  # (one of the block's counts is out of range: this one, exactly)
                 self._check_range(group, flat, cls.coefficients(group, n + cls.step_offset))
                 if not self._counts_in_range(group, flat, n, 1, rule=False):
                     return None  # (the rule's scalars fit, torch's kernel's do not: the rule runs as written)
@@ -291,6 +300,11 @@ class EngineMixin:
         cdtype = self._compute_dtype(group, flat.dtype, flat.bits)
         limit = _LIMITS.get(cdtype) or _LIMITS.setdefault(cdtype, torch.finfo(cdtype).max)
         limit *= 1 - 1e-9  # (a margin for the tensor arithmetic's rounding; NaN fails every comparison)
+        with _disable_current_modes():  # (host arithmetic on CPU tensors, not the step's work: no recorder sees it)
+            return self._counts_fit(group, first, n, limit, rule)
+
+    def _counts_fit(self, group, first: int, n: int, limit: float, rule: bool) -> bool:
+        cls = type(self)
         counts = torch.arange(first, first + n, dtype=torch.float64)
         worst = []
         if rule:
