@@ -380,6 +380,8 @@ def audit_call(optimizer: torch.optim.Optimizer, fn: Callable[[], Any]) -> Audit
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     _refuse_compiled(optimizer)
+    if hasattr(optimizer, "_scratch_for_eager"):  # (a fused buffer runs the eager chain here: with its scratch)
+        optimizer._scratch_for_eager()
     held = _held_tensors(optimizer)
     known = {_storage_ptr(t) for t in held if t.numel() > 0}
     counters_before = _cpu_step_counters(optimizer)

@@ -283,14 +283,18 @@ class FlatBuffer:
         self.ensure_grad()
         with torch.no_grad():
             home = _storage(self.grad)
+            # a gradient re-bound to another place of this buffer (two views swapped) is read before any is
+            # written: copied out first, all of them, or one run's writes would reach another's source
+            sources = {i: local_tensor(self.params[i].grad).reshape(-1) for i in foreign}
+            sources = {i: g.clone() if _storage(g) == home else g for i, g in sources.items()}
             for first, stop in _runs(foreign):  # one cat per contiguous run: O(1) ops after a re-pack
                 a, b = self.offsets[first], self.offsets[stop]
-                grads = [local_tensor(self.params[i].grad).reshape(-1) for i in range(first, stop)]
+                grads = [sources[i] for i in range(first, stop)]
                 padded = sum(self.sizes[first:stop]) != b - a  # an aligned layout: one copy each
-                if len(grads) == 1 or padded or any(_storage(g) == home for g in grads):  # (or a view of our buffer)
+                if len(grads) == 1 or padded:
                     for i, g in zip(range(first, stop), grads):
                         lo, hi = self.span(i)
-                        self.grad[lo:hi].copy_(g.clone() if _storage(g) == home else g)
+                        self.grad[lo:hi].copy_(g)
                 else:
                     torch.cat(grads, out=self.grad[a:b])
             if not self.staged:

@@ -391,18 +391,13 @@ def test_the_repeat_is_not_used_where_the_full_path_must_run():
             p.grad = torch.ones(50) if p.grad is None else p.grad.fill_(1.0)
             opt.step()
         assert opt._steady is None, options
-    p = torch.nn.Parameter(torch.randn(50))
-    opt = dml_optim.AdamW([p], lr=1e-3)
-    p.grad = torch.ones(50)
-    opt.step()
-    opt.zero_grad()
-    opt.step()
-    assert opt._steady is not None
+    opt = _steady_adamw()
     with OpRecorder(compiled=False):
         assert not opt._repeat()
 
 
-def test_a_copy_plans_its_first_step_from_scratch():
+def _steady_adamw():
+    """An AdamW two steps in, its gradient in its view of the flat buffer: the next step may repeat."""
     p = torch.nn.Parameter(torch.randn(50))
     opt = dml_optim.AdamW([p], lr=1e-3)
     p.grad = torch.ones(50)
@@ -410,7 +405,11 @@ def test_a_copy_plans_its_first_step_from_scratch():
     opt.zero_grad()
     opt.step()
     assert opt._steady is not None
-    twin = copy.deepcopy(opt)
+    return opt
+
+
+def test_a_copy_plans_its_first_step_from_scratch():
+    twin = copy.deepcopy(_steady_adamw())
     assert twin._steady is None
 
 
@@ -622,3 +621,56 @@ def test_the_range_check_runs_once_per_block_of_counts_not_once_per_step():
         EngineMixin._counts_in_range = real
     assert sorted(calls) == [0, 512], calls  # (counts 5..24 in block 0, 600..619 in block 2)
     assert buffers(opt)[0].step_counts == (25, 620)
+
+
+@pytest.mark.parametrize("checks", ["refs", "full"])
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_two_gradient_views_swapped_step_with_the_swapped_gradients(checks, backend):
+    """``p1.grad, p2.grad = p2.grad, p1.grad`` between two same-shaped parameters: each parameter then
+    steps with the other's gradient values, as torch.optim would.  The full check sees the swap; the
+    gather reads every such view before writing any (it used to read one through the other's new
+    values).  With ``"refs"`` a swap alone moves no count (the documented blind spot): the step uses the
+    slots as they were; the test asserts exactly that, so a change of behaviour shows."""
+    values = _values([(6,), (6,)])
+    ps, qs = ([torch.nn.Parameter(v.clone()) for v in values] for _ in range(2))
+    opt = dml_optim.SGD(ps, lr=0.1, checks=checks, backend=backend)
+    twin = torch.optim.SGD(qs, lr=0.1)
+    g = _grads([(6,), (6,)], 0)
+    for p, q, gi in zip(ps, qs, g):
+        p.grad, q.grad = gi.clone(), gi.clone()
+    opt.step()
+    twin.step()
+    opt.zero_grad()
+    for p, gi in zip(ps, g):
+        p.grad.copy_(gi)
+    ps[0].grad, ps[1].grad = ps[1].grad, ps[0].grad
+    if checks == "full":
+        qs[0].grad, qs[1].grad = qs[1].grad, qs[0].grad
+    opt.step()
+    twin.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p.detach(), q.detach(), **TWIN)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "adagrad", "sgd"])
+def test_the_audit_of_a_fused_optimizer_is_the_directml_chain_without_allocations(name):
+    """``dml-optim train`` audits its optimizer (``auto``: fused on the CPU) after training: the recorded
+    step runs the eager chain, with the scratch a DirectML buffer keeps, so the report is the eager
+    optimizer's: the same ops, nothing allocated (a fused step keeps no scratch: it is given one first)."""
+    from dml_optim.audit import audit_step
+
+    hyper = {"adam": dict(lr=1e-2, epsilon=0.0, weight_decay=0.01), "adamw": dict(lr=1e-2, weight_decay=0.1),
+             "adagrad": dict(lr=0.1, lr_decay=0.01), "sgd": dict(lr=0.05, momentum=0.9, dampening=0.1)}[name]
+    reports = []
+    for backend in ("auto", "eager"):
+        values = _values([(30, 20), (20,)])
+        ps = [torch.nn.Parameter(v.clone()) for v in values]
+        opt = type(TWINS[name][0]([torch.nn.Parameter(torch.zeros(1))]))(ps, backend=backend, **hyper)
+        for p, g in zip(ps, _grads([(30, 20), (20,)], 0)):
+            p.grad = g
+        opt.step()
+        assert resolved_backends(opt) == [["fused" if backend == "auto" else "eager"]]
+        reports.append(audit_step(opt))
+    fused_report, eager_report = reports
+    assert fused_report.allocations == eager_report.allocations == 0
+    assert fused_report.total_ops == eager_report.total_ops and fused_report.ops == eager_report.ops

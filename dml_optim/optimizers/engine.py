@@ -150,6 +150,15 @@ class EngineMixin:
             return
         flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(count)]
 
+    def _scratch_for_eager(self) -> None:
+        """Give every buffer that runs torch's fused kernel the scratch its eager rule uses (a fused step needs
+        none), so that a step recorded under a dispatch mode (the audit), which runs the eager rule, runs it
+        as DirectML does, with nothing allocated; the next fused step drops it again."""
+        for gi, group in enumerate(self.param_groups):
+            for flat in self._buffers_of(gi):
+                if flat.precision is not None and fuses(self, group, flat):
+                    self._ensure_scratch(group, flat, group["capturable"] or group["nonfinite"] == "skip", False)
+
     @staticmethod
     def _finite(flat: FlatBuffer) -> torch.Tensor:
         """0-d bool on the device: every gradient element is finite (one reduction, no host sync).
