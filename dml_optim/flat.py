@@ -371,7 +371,7 @@ class FlatBuffer:
     def record_uses(self) -> None:
         """After binding: remember the storages' use counts if every parameter is bound to the buffer and
         holds its gradient view (the state :meth:`check` then recognizes in O(1)); else forget them."""
-        bound = not self.staged and self.grad is not None and all(self._grads_ours())
+        bound = not self.staged and self.grad is not None and self.pending is None and all(self._grads_ours())
         self.uses = self._use_counts() if bound else None
 
     def check(self, mode: str) -> bool:

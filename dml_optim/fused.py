@@ -151,18 +151,18 @@ def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
     if not present or sum(flat.sizes[i] for i in present) < LIST_MIN_ELEMENTS * len(present):
         return False
     last = flat.fused.read if flat.fused is not None else None
-    if last:
+    if last:  # (an id reused by a fresh tensor reads as written-into at worst: gathered once, harmless)
         for i in present:
             seen = last.get(i)
-            if seen is not None and seen[0]() is grads[i] and grads[i]._version != seen[1]:
+            if seen is not None and seen[0] == id(grads[i]) and seen[1] != grads[i]._version:
                 return False
     return all(grads[i].is_contiguous() for i in present)
 
 
 def remember_read(flat) -> None:
-    """After a step: the gradients it read in place (weakly) and their versions, for :func:`reads_in_place`."""
+    """After a step: the gradients it read in place (their ids) and their versions, for :func:`reads_in_place`."""
     if flat.fused is not None:
-        flat.fused.read = ({i: (weakref.ref(g), g._version) for i, g in enumerate(flat.pending) if g is not None}
+        flat.fused.read = ({i: (id(g), g._version) for i, g in enumerate(flat.pending) if g is not None}
                            if flat.pending is not None else None)
 
 
@@ -180,7 +180,7 @@ class _Cache:
         self.states: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.whole: tuple | None = None  # (operands, {op: argument lists}) of a step of the whole buffer
         self.checked: tuple = (None, set())  # (settings token, blocks of counts whose scalars passed the range check)
-        self.read: dict | None = None  # per parameter, the gradient the last step read in place: (weakref, version)
+        self.read: dict | None = None  # per parameter, the gradient the last step read in place: (id, version)
 
     def whole_arguments(self, flat, names: tuple[str, ...], op: str) -> list:
         """The argument lists of a kernel call over the whole buffer (kept while its tensors are the same)."""
