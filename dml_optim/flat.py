@@ -25,11 +25,13 @@ block never holds two parameters.
 Bindings.  Between steps, code outside the optimizer can re-bind a parameter
 (``model.to()``, ``.half()``, ``p.data = t``) or its gradient (``p.grad = t``,
 ``model.zero_grad()``, a DDP bucket view).  :meth:`FlatBuffer.check` finds
-out, cheaply when nothing changed: two C-level passes (``map`` over the
-parameters, comparing gradient identities and data pointers) for
-``checks="full"``; the first and last parameter only for ``checks="fast"``.
-Only when something changed does :meth:`FlatBuffer.diagnose` look at each
-parameter.  Parameters that are distributed tensors (``DTensor``, FSDP2) are
+out, cheaply when nothing changed: two storage use counts per buffer for the
+default ``checks="refs"`` (O(1); the gradient views it hands out are held
+weakly, so a re-bound gradient releases its view and drops a count), those and
+two C-level passes over the parameters (gradient identities and data pointers)
+for ``checks="full"``, those and the first and last parameter for
+``checks="fast"``.  Only when something changed does
+:meth:`FlatBuffer.diagnose` look at each parameter.  Parameters that are distributed tensors (``DTensor``, FSDP2) are
 *staged*: the buffer is a working copy of their local shards, copied in and
 out around each step (:attr:`FlatBuffer.staged`).
 
