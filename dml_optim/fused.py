@@ -58,7 +58,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils import _python_dispatch
 
 __all__ = ["FusedFallbackWarning", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS", "unsupported", "kernel_scalars",
            "reads_in_place", "remember_read",
@@ -235,7 +234,8 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None) -> tuple | None:
     numbers: list[float] = []  # the step number of each distinct count, in the order of the step tensors
     steps: dict[int, torch.Tensor] = {}
     calls: dict[tuple, tuple[list, list]] = {}  # (kernel, keyword items) -> (classes, their step tensors)
-    keys: dict[int, tuple] = {}  # per count, its kernel and keyword arguments (as the class says they vary)
+    keys: dict[int, tuple] = {}  # per count: its kernel and keyword arguments
+    alike: dict[int, tuple] = {}  # the same, per class of counts with equal arguments (``fused_counts``)
     vary = cls.fused_counts
     for c in classes:
         step = steps.get(c.count)
@@ -243,11 +243,10 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None) -> tuple | None:
             step = steps[c.count] = cache.step_views[len(numbers)]
             numbers.append(c.count + 1.0)
             like = c.count if vary == "each" else (0 if vary == "none" or c.count == 0 else 1)
-            key = keys.get(like)
-            if key is None:
+            if like not in alike:
                 op, kwargs = cls.fused_kernel(group, c.count)
-                key = keys[like] = (op, *kwargs.items())
-            keys[c.count] = key
+                alike[like] = (op, *kwargs.items())
+            keys[c.count] = alike[like]
         key = keys[c.count]
         entry = calls.get(key)
         if entry is None:
@@ -269,6 +268,8 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None) -> tuple | None:
         n_states, has_steps = KERNELS[op]
         args = operands + [[] for _ in range(n_states - len(names))] + ([step_list] if has_steps else [])
         out.append((getattr(torch, op), args, dict(items)))
+    if not any(KERNELS[op][1] for op, *_ in calls):
+        numbers = []  # (SGD's kernel reads no step number)
     return (cache, numbers), out
 
 
@@ -291,7 +292,3 @@ def warn_fallback(opt, reason: str) -> None:
     warnings.warn(f"dml_optim: {type(opt).__name__} cannot use the fused backend: {reason}; running what "
                   "backend='auto' chooses instead", FusedFallbackWarning, stacklevel=5)
 
-
-def dispatch_mode_active() -> bool:
-    """A ``TorchDispatchMode`` is active (the step audit records what DirectML would run: the eager chain)."""
-    return _python_dispatch._get_current_dispatch_mode() is not None

@@ -243,11 +243,12 @@ class EngineMixin:
     def _repeat(self) -> bool:
         """Step the way the last step did, if nothing it depended on changed: True when it stepped.
 
-        After a plain step in which every buffer ran torch's fused kernel over its whole length (the
-        steady state of a training loop), the next step needs no layout work: it checks what could
-        have changed (each group's settings and frozen parameters, each buffer's bindings and step
-        class, a dispatch mode or a dynamo trace) and then plans and commits exactly as :meth:`_run`
-        does, through the same functions.  Anything else takes the full path (False)."""
+        After a plain step in which every buffer ran torch's fused kernel over its own gradient views, all
+        present (the steady state of a training loop: :meth:`_repeatable`), the next step needs no layout
+        work: it checks what could have changed (each group's settings and frozen parameters, each
+        buffer's bindings and step classes, a dispatch mode or a dynamo trace) and then plans and commits
+        exactly as :meth:`_run` does, through the same functions.  Anything else takes the full path
+        (False)."""
         flats = self._steady
         if (_is_compiling() or _dispatch_mode_active() or getattr(self, "found_inf", None) is not None
                 or self.atomic):
@@ -276,8 +277,8 @@ class EngineMixin:
 
     def _fused_plan(self, group, flat: FlatBuffer):
         """The kernel calls of a fused step of ``flat`` (:func:`dml_optim.fused.plan`), after the same step-limit
-        and range checks as the other paths (the rule's host scalars of each count, kept per settings), or None
-        when a count rules the kernel out."""
+        and range checks as the other paths (the rule's scalars, and torch's kernel's, checked a block of 256
+        counts at a time and remembered per settings), or None when a count rules the kernel out."""
         calls = plan_fused(self, group, flat, flat.pending)
         if calls is None:
             return None

@@ -32,9 +32,11 @@ from typing import Any, Sequence
 
 import torch
 
+from dml_optim.backends import fuses
 from dml_optim.flat import (Binding, FlatBuffer, _runs, describe_param, group_key, local_tensor, param_piece,
                              store_param_piece)
 from dml_optim.functional import check_like
+from dml_optim.fused import reads_in_place
 from dml_optim.optimizers.spec import sync_group
 from dml_optim.quant import BLOCK, MIN_ELEMENTS
 
@@ -269,9 +271,6 @@ class LayoutMixin:
         ``flat.pending``) instead of gathering them.  Returns which parameters have a gradient (None:
         all of them).
         """
-        from dml_optim.backends import fuses
-        from dml_optim.fused import reads_in_place
-
         flat.pending = None
         active = foreign = None
         if binding is not None:
