@@ -66,7 +66,7 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
-_IS_SPARSE = operator.attrgetter("is_sparse")
+_KIND = operator.attrgetter("dtype", "device", "layout")
 #: How many tensors (and storage objects) hold a storage: ``torch._C._storage_Use_Count`` (torch >= 2.0), or
 #: None where this torch has none (``checks="refs"`` then scans every parameter, as ``"full"`` does).
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
@@ -86,11 +86,13 @@ class Binding:
     ``foreign``: parameters whose gradient is not a view of the flat gradient
     buffer (replaced, fresh after ``set_to_none``, a DDP bucket view).
     ``rebound``: parameters whose ``.data`` no longer lives in the buffer.
+    ``grads``: each parameter's ``.grad`` as the diagnosis read it.
     """
 
     active: list[bool] | None
     foreign: list[int]
     rebound: list[int]
+    grads: list
 
 
 class FlatBuffer:
@@ -127,7 +129,7 @@ class FlatBuffer:
     """
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
-                 "grad_refs", "uses", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
+                 "grad_refs", "uses", "data_uses", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
                  "_owner", "settings", "eager_s", "scalars", "fused", "pending", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
@@ -148,6 +150,7 @@ class FlatBuffer:
         self.grad: torch.Tensor | None = None
         self.grad_refs: list[weakref.ref | None] = [None] * len(self.params)
         self.uses: tuple[int, int] | None = None
+        self.data_uses: tuple[torch.Tensor, int] | None = None  # (data, its storage's use count) when all were bound
         self._storages: tuple = ()
         self.countable = all(type(p).grad is _TENSOR_GRAD and type(p).data is _TENSOR_DATA for p in self.params)
         self.ptrs = [] if self.staged else list(map(_DATA_PTR, self.params))
@@ -170,7 +173,7 @@ class FlatBuffer:
     #: Per-process bookkeeping a copy starts without: weak references to the gradient views handed out
     #: (a copy's parameters hold copies of them), the storage use counts and their storage objects, and
     #: the fused backend's cache (step tensors, views, the gradients read last).
-    _TRANSIENT = {"grad_refs": None, "uses": None, "_storages": (), "fused": None, "pending": None}
+    _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "_storages": (), "fused": None, "pending": None}
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT
@@ -363,17 +366,28 @@ class FlatBuffer:
         and ``grad`` now (None without ``torch._C._storage_Use_Count`` or a gradient buffer)."""
         if _USE_COUNT is None or self.grad is None:
             return None
+        stored = self._handles()
+        return _USE_COUNT(stored[2]), _USE_COUNT(stored[3])
+
+    def _handles(self) -> tuple:
+        """``(data, grad, their storages' handles, their storages)``, kept while ``data`` and ``grad`` stay (the
+        storage objects held here add one use each, the same at every count)."""
         stored = self._storages
         if not stored or stored[0] is not self.data or stored[1] is not self.grad:
+            grad_storage = self.grad.untyped_storage() if self.grad is not None else None
             stored = self._storages = (self.data, self.grad, self.data.untyped_storage()._cdata,
-                                       self.grad.untyped_storage()._cdata, self.data.untyped_storage(),
-                                       self.grad.untyped_storage())
-        return _USE_COUNT(stored[2]), _USE_COUNT(stored[3])
+                                       grad_storage._cdata if grad_storage is not None else None,
+                                       self.data.untyped_storage(), grad_storage)
+        return stored
 
     def record_uses(self) -> None:
         """After binding: remember the storages' use counts if every parameter is bound to the buffer and
-        holds its gradient view (the state :meth:`check` then recognizes in O(1)); else forget them."""
-        bound = not self.staged and self.grad is not None and self.pending is None and all(self._grads_ours())
+        holds its gradient view (the state :meth:`check` then recognizes in O(1)); else forget them.  The data
+        storage's count alone is kept whenever every parameter is bound (gradients of their own, read in
+        place, change the gradient count at every step; :meth:`moved` still answers in O(1))."""
+        countable = not self.staged and self.countable and _USE_COUNT is not None
+        self.data_uses = (self.data, _USE_COUNT(self._handles()[2])) if countable else None
+        bound = countable and self.grad is not None and self.pending is None and all(self._grads_ours())
         self.uses = self._use_counts() if bound else None
 
     def check(self, mode: str) -> bool:
@@ -410,9 +424,9 @@ class FlatBuffer:
         when recorded; ``"full"``: every pointer; ``"fast"``: the first and last)."""
         if self.staged:
             return False
-        if mode == "refs" and self.uses is not None and self.countable:
-            counts = self._use_counts()
-            if counts is not None and counts[0] == self.uses[0]:
+        recorded = self.data_uses
+        if mode == "refs" and recorded is not None and recorded[0] is self.data:
+            if _USE_COUNT(self._handles()[2]) == recorded[1]:
                 return False
         if mode != "fast":
             with _FAST_ATTRIBUTES():
@@ -431,28 +445,31 @@ class FlatBuffer:
                                                               self.shapes))
                 if a != b or not p.is_contiguous() or p.shape != shape]  # (a reshape keeps the pointer)
 
-    def plain_grads(self, indices: Sequence[int]) -> bool:
-        """The gradients of parameters ``indices`` are dense tensors (no subclass) with their parameters'
-        shapes, dtype and device (C-level passes; a parameter-by-parameter check names any other case)."""
+    def plain_grads(self, indices: Sequence[int], grads: Sequence | None = None) -> bool:
+        """The gradients of parameters ``indices`` (``grads``: every parameter's ``.grad``, as read already) are
+        dense tensors (no subclass) with their parameters' shapes, dtype and device (C-level passes; a
+        parameter-by-parameter check names any other case)."""
         if not indices or self.staged:
             return not indices
-        grads = [self.params[i].grad for i in indices]
+        pick = operator.itemgetter(*indices) if len(indices) > 1 else (lambda seq, i=indices[0]: (seq[i],))
         with _FAST_ATTRIBUTES():
-            return (all(t is torch.Tensor for t in map(type, grads)) and not any(map(_IS_SPARSE, grads))
-                    and list(map(_SHAPE, grads)) == [self.shapes[i] for i in indices]
-                    and set(map(_DTYPE, grads)) == {self.dtype} and set(map(_DEVICE, grads)) == {self.device})
+            grads = list(pick(grads) if grads is not None else map(_GRAD, pick(self.params)))
+            return (set(map(type, grads)) == {torch.Tensor} and list(map(_SHAPE, grads)) == list(pick(self.shapes))
+                    and set(map(_KIND, grads)) == {(self.dtype, self.device, torch.strided)})
 
     def diagnose(self) -> Binding:
         """Per-parameter look at what changed (only called when :meth:`check` is False)."""
         grads = list(map(_GRAD, self.params))
         active = [g is not None for g in grads]
         if self.staged:
-            return Binding(None if all(active) else active, [i for i, g in enumerate(grads) if g is not None], [])
-        rebound = self.rebound()
+            return Binding(None if all(active) else active, [i for i, g in enumerate(grads) if g is not None], [], grads)
+        rebound = self.rebound()  # (every pointer, shape and stride: a reshape in place keeps the use counts)
         home = _storage(self.grad) if self.grad is not None else None
         # model.to() re-binds the .data of the gradient objects we handed out: those are foreign too
-        foreign = [i for i, g in enumerate(grads) if g is not None and (not self.holds_grad(i, g) or _storage(g) != home)]
-        return Binding(None if all(active) else active, foreign, rebound)
+        views = [ref() if ref is not None else None for ref in self.grad_refs]  # (identity first: no storage
+        foreign = [i for i, (g, view) in enumerate(zip(grads, views))  # is looked up for a gradient not ours)
+                   if g is not None and (g is not view or _storage(g) != home)]
+        return Binding(None if all(active) else active, foreign, rebound, grads)
 
     def rebind_pointers(self) -> None:
         """Record the parameters' current data pointers as the bound ones (after a copy re-pointed them)."""
@@ -565,7 +582,7 @@ class FlatBuffer:
                 p.data = view
             self.ptrs = list(map(_DATA_PTR, self.params))
         self.grad_refs = [None] * len(self.params)
-        self.uses = None
+        self.uses = self.data_uses = None
         if self.grad is not None and not self.staged:
             for i, (p, mine) in enumerate(zip(self.params, [ours[i] for i in order])):
                 if mine:

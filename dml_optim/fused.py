@@ -58,6 +58,9 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from dml_optim.flat import _FAST_ATTRIBUTES, _IS_CONTIGUOUS
 
 __all__ = ["FusedFallbackWarning", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS", "unsupported", "kernel_scalars",
            "reads_in_place", "remember_read",
@@ -84,6 +87,7 @@ MAX_COUNT = (1 << 24) - 2
 #: 200 tensors, 130 us gathered and stepped as one).
 LIST_MIN_ELEMENTS = 1 << 14
 _DTYPES = (torch.float32, torch.float64)
+_VERSION = operator.attrgetter("_version")
 _WARNED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
 
@@ -146,23 +150,28 @@ def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
     ``zero_grad(set_to_none=True)``) and the same read-only tensors handed over again are read in place."""
     if flat.staged:
         return False
-    present = [i for i, g in enumerate(grads) if g is not None and (active is None or active[i])]
-    if not present or sum(flat.sizes[i] for i in present) < LIST_MIN_ELEMENTS * len(present):
+    index = [i for i, g in enumerate(grads) if g is not None and (active is None or active[i])]
+    if not index or sum(map(flat.sizes.__getitem__, index)) < LIST_MIN_ELEMENTS * len(index):
         return False
+    present = list(map(grads.__getitem__, index))
     last = flat.fused.read if flat.fused is not None else None
     if last:  # (an id reused by a fresh tensor reads as written-into at worst: gathered once, harmless)
-        for i in present:
-            seen = last.get(i)
-            if seen is not None and seen[0] == id(grads[i]) and seen[1] != grads[i]._version:
-                return False
-    return all(grads[i].is_contiguous() for i in present)
+        now = list(map(_VERSION, present))
+        if list(map(last.get, map(id, present), now)) != now:  # (a tensor not read last step: its own version)
+            return False
+    with _FAST_ATTRIBUTES():
+        return all(map(_IS_CONTIGUOUS, present))
 
 
 def remember_read(flat) -> None:
-    """After a step: the gradients it read in place (their ids) and their versions, for :func:`reads_in_place`."""
+    """After a step: the gradients it read in place, their ids and versions, for :func:`reads_in_place`."""
     if flat.fused is not None:
-        flat.fused.read = ({i: (id(g), g._version) for i, g in enumerate(flat.pending) if g is not None}
-                           if flat.pending is not None else None)
+        pending = flat.pending
+        if pending is None:
+            flat.fused.read = None
+            return
+        present = [g for g in pending if g is not None]
+        flat.fused.read = dict(zip(map(id, present), map(_VERSION, present)))
 
 
 class _Cache:
@@ -170,16 +179,34 @@ class _Cache:
     the most distinct counts a step can have) and per-parameter views of the states, kept while the
     layout and the state tensors stay the same."""
 
-    __slots__ = ("offsets", "steps", "step_views", "states", "whole", "checked", "read")
+    __slots__ = ("offsets", "numbers", "states", "whole", "checked", "read")
 
     def __init__(self, flat):
         self.offsets = flat.offsets
-        self.steps = torch.zeros(len(flat.params), dtype=torch.float32)
-        self.step_views = self.steps.unbind(0)
+        self.numbers: dict[int, tuple[torch.Tensor, ...]] = {}  # blocks of step-number tensors (:meth:`steps`)
         self.states: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.whole: tuple | None = None  # (operands, {op: argument lists}) of a step of the whole buffer
         self.checked: tuple = (None, set())  # (settings token, blocks of counts whose scalars passed the range check)
-        self.read: dict | None = None  # per parameter, the gradient the last step read in place: (id, version)
+        self.read: dict | None = None  # the gradients the last step read in place: {id: version}
+
+    def steps(self, counts: list[int]) -> list[torch.Tensor]:
+        """The step numbers ``count + 1`` of ``counts`` as torch's kernels read them: float32 0-d tensors, views of
+        blocks of 256 made at once and kept (the kernels only read them), so a step writes no step tensor."""
+        lo, hi = min(counts) >> 8, max(counts) >> 8
+        if hi - lo > 1:
+            return [self._block(n >> 8)[n & 255] for n in counts]
+        views = self._block(lo) if hi == lo else self._block(lo) + self._block(hi)  # (counts a step apart: 1 or 2)
+        return list(map(views.__getitem__, map((lo << 8).__rsub__, counts)))
+
+    def _block(self, block: int) -> tuple[torch.Tensor, ...]:
+        views = self.numbers.get(block)
+        if views is None:
+            if len(self.numbers) >= 16:
+                self.numbers.clear()
+            first = block << 8
+            with _disable_current_modes():  # (host bookkeeping, not the step's work: no op counter sees it)
+                views = self.numbers[block] = torch.arange(first + 1, first + 257, dtype=torch.float32).unbind(0)
+        return views
 
     def whole_arguments(self, flat, names: tuple[str, ...], op: str) -> list:
         """The argument lists of a kernel call over the whole buffer (kept while its tensors are the same)."""
@@ -191,7 +218,7 @@ class _Cache:
         if args is None:
             n_states, has_steps = KERNELS[op]
             states = [[t] for t in operands[2:]] + [[] for _ in range(n_states - len(names))]
-            args = whole[1][op] = [[flat.data], [flat.grad], *states] + ([[self.step_views[0]]] if has_steps else [])
+            args = whole[1][op] = [[flat.data], [flat.grad], *states] + ([[]] if has_steps else [])
         return args
 
     def state_views(self, flat, name: str) -> list[torch.Tensor]:
@@ -209,78 +236,66 @@ def _cache(flat) -> _Cache:
     return cache
 
 
-def plan(opt, group: dict[str, Any], flat, grads: list | None) -> tuple | None:
+def plan(opt, group: dict[str, Any], flat, grads: list | None, members: list, counts: list[int | None]) -> list | None:
     """The kernel calls of one step of ``flat``, or None when a count rules them out.
 
     ``grads``: per parameter, the gradient to read in place (None: no gradient), or None when the
-    gradients are in the flat buffer.  Only active classes (parameters with a gradient) step.  Nothing is
-    written here: the result is ``(step numbers, calls)``, the step tensors' values (written by
-    :func:`run` first, in one op) and ``(kernel, argument lists, keyword arguments)`` per call.
+    gradients are in the flat buffer.  ``members``: what steps, with ``counts``, the count of each: the
+    parameters with a gradient (``grads`` given: :meth:`dml_optim.steps.StepCounter.active_params`) or the
+    runs ``(first, stop)`` of them at one count (:meth:`~dml_optim.steps.StepCounter.active_runs`).
+    Nothing is written here: the result is ``(kernel, argument lists, keyword arguments)`` per call; the
+    step numbers are tensors made once per 256 counts (:meth:`_Cache.steps`), so running it writes
+    nothing but the kernels' outputs.
     """
     cls = type(opt)
     names = cls.group_state_names(group)
     cache = _cache(flat)
-    classes = flat.counter.classes
-    if grads is None and len(classes) == 1:  # the steady step: one call over the whole buffer
-        c = classes[0]
-        if not c.active or c.count is None or c.count > MAX_COUNT:
-            return None
-        op, kwargs = cls.fused_kernel(group, c.count)
-        numbers = [c.count + 1.0] if KERNELS[op][1] else []  # (SGD's kernel reads no step number)
-        return (cache, numbers), [(getattr(torch, op), cache.whole_arguments(flat, names, op), kwargs)]
-    classes = [c for c in classes if c.active]
-    if not classes or any(c.count is None or c.count > MAX_COUNT for c in classes):
+    if not counts or None in counts or max(counts) > MAX_COUNT:
         return None
-    numbers: list[float] = []  # the step number of each distinct count, in the order of the step tensors
-    steps: dict[int, torch.Tensor] = {}
-    calls: dict[tuple, tuple[list, list]] = {}  # (kernel, keyword items) -> (classes, their step tensors)
-    keys: dict[int, tuple] = {}  # per count: its kernel and keyword arguments
-    alike: dict[int, tuple] = {}  # the same, per class of counts with equal arguments (``fused_counts``)
-    vary = cls.fused_counts
-    for c in classes:
-        step = steps.get(c.count)
-        if step is None:  # a new count: a step tensor holding its step number, and its kernel's arguments
-            step = steps[c.count] = cache.step_views[len(numbers)]
-            numbers.append(c.count + 1.0)
-            like = c.count if vary == "each" else (0 if vary == "none" or c.count == 0 else 1)
-            if like not in alike:
-                op, kwargs = cls.fused_kernel(group, c.count)
-                alike[like] = (op, *kwargs.items())
-            keys[c.count] = alike[like]
-        key = keys[c.count]
-        entry = calls.get(key)
-        if entry is None:
-            entry = calls[key] = ([], [])
-        entry[0].append(c)
-        entry[1].append(step)
+    if grads is None and len(members) == 1 and members[0][1] - members[0][0] == len(flat.params):  # the steady step
+        op, kwargs = cls.fused_kernel(group, counts[0])
+        args = cache.whole_arguments(flat, names, op)
+        if KERNELS[op][1]:  # (SGD's kernel reads no step number)
+            args[-1] = cache.steps([counts[0]])
+        return [(getattr(torch, op), args, kwargs)]
+    # the step tensor of each distinct count, and the call its count belongs to
+    distinct = list(dict.fromkeys(counts))
+    steps = dict(zip(distinct, cache.steps(distinct)))
+    vary = cls.fused_counts  # which counts share a call's keyword arguments: all, all but 0, none
+    like = (lambda n: 0) if vary == "none" else (lambda n: n) if vary == "each" else (lambda n: min(n, 1))
+    keys: dict[int, tuple] = {}  # per class of counts with equal arguments: the call's key
+    for n in distinct:
+        if like(n) not in keys:
+            op, kwargs = cls.fused_kernel(group, n)
+            keys[like(n)] = (op, *kwargs.items())
+            if vary == "none":
+                break
+    calls: dict[tuple, tuple[list, list]] = {key: ([], []) for key in keys.values()}  # -> (members, step tensors)
+    if len(calls) == 1:  # (AdamW, Adagrad: one call whatever the counts)
+        calls = {next(iter(calls)): (members, list(map(steps.__getitem__, counts)))}
+    else:
+        for member, n in zip(members, counts):
+            entry = calls[keys[like(n)]]
+            entry[0].append(member)
+            entry[1].append(steps[n])
     out = []
-    for (op, *items), (members, member_steps) in calls.items():
+    for (op, *items), (chosen, step_list) in calls.items():
         if grads is not None:  # parameter by parameter: the parameters, the gradients read in place
-            index = [i for c in members for i in range(c.first, c.stop)]
-            pick = operator.itemgetter(*index) if len(index) > 1 else (lambda seq, i=index[0]: (seq[i],))
+            pick = operator.itemgetter(*chosen) if len(chosen) > 1 else (lambda seq, i=chosen[0]: (seq[i],))
             operands = [list(pick(flat.params)), list(pick(grads))]
             operands += [list(pick(cache.state_views(flat, n))) for n in names]
-            step_list = [t for c, t in zip(members, member_steps) for _ in range(c.stop - c.first)]
         else:  # run by run: ranges of the flat buffers
-            bounds = [flat.segment(c.first, c.stop) for c in members]
+            bounds = [flat.segment(first, stop) for first, stop in chosen]
             operands = [[t[a:b] for a, b in bounds] for t in [flat.data, flat.grad] + [flat.states[n] for n in names]]
-            step_list = member_steps
         n_states, has_steps = KERNELS[op]
         args = operands + [[] for _ in range(n_states - len(names))] + ([step_list] if has_steps else [])
         out.append((getattr(torch, op), args, dict(items)))
-    if not any(KERNELS[op][1] for op, *_ in calls):
-        numbers = []  # (SGD's kernel reads no step number)
-    return (cache, numbers), out
+    return out
 
 
-def run(planned: tuple) -> None:
-    """Run :func:`plan`'s calls (the step numbers first, in one op)."""
-    (cache, numbers), calls = planned
-    if len(numbers) == 1:
-        cache.step_views[0].fill_(numbers[0])
-    elif numbers:
-        cache.steps[: len(numbers)].copy_(torch.tensor(numbers, dtype=torch.float32))
-    for fn, args, kwargs in calls:
+def run(planned: list) -> None:
+    """Run :func:`plan`'s calls."""
+    for fn, args, kwargs in planned:
         fn(*args, **kwargs)
 
 

@@ -15,11 +15,24 @@ decided on the device (a skipped step under ``nonfinite="skip"`` or loss
 scaling) or replayed by a CUDA graph (``capturable=True``); then the device
 counter (a 0-d int64 tensor) is the truth and the host only tracks which
 parameters stepped together (a class keeps one identity).
+
+Gradients that come and go at every step (``None`` patterns) would split and
+re-merge the classes at every step: a buffer stepped by torch's fused kernels
+(which take a step count per tensor) would pay for Python objects it does not
+need.  So while every count is known on the host and no class has a device
+counter, a split keeps the counts *per parameter* instead (a list of ints and
+the step's activity): a split is one assignment, an advance one C-level pass
+(:meth:`StepCounter.advance`), and the fused plan reads the runs of active
+parameters at one count (:meth:`StepCounter.active_runs`) in one pass.  Reading
+:attr:`StepCounter.classes`, or anything that needs identities or device
+counters, turns the per-parameter counts back into classes (the same classes
+the split would have made: host-known classes are identified by their count).
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -49,31 +62,107 @@ class StepClass:
 
 
 class StepCounter:
-    """Completed-step counts of one buffer's parameters, as :class:`StepClass` runs in buffer order."""
+    """Completed-step counts of one buffer's parameters, as :class:`StepClass` runs in buffer order.
 
-    __slots__ = ("classes", "_next_id")
+    Two forms of the same counts: the classes, or (while every count is known on the host and no class has
+    a device counter, after a :meth:`split`) one count and one activity flag per parameter; see the module
+    docstring.  :attr:`classes` always answers in classes (it converts the per-parameter form)."""
+
+    __slots__ = ("_classes", "_counts", "_active", "_next_id")
 
     def __init__(self, n: int, count: int = 0):
-        self.classes: list[StepClass] = [StepClass(0, n, count, ("n", count))]
+        self._classes: list[StepClass] | None = [StepClass(0, n, count, ("n", count))]
+        self._counts: list[int] | None = None  # the per-parameter form (when _classes is None)
+        self._active: list[bool] | None = None  # its activity (None: every parameter)
         self._next_id = 0
+
+    @property
+    def classes(self) -> list[StepClass]:
+        if self._classes is None:  # the per-parameter form, as classes (from then on)
+            active = self._active if self._active is not None else itertools.repeat(True)
+            classes: list[StepClass] = []
+            for i, (n, a) in enumerate(zip(self._counts, active)):
+                last = classes[-1] if classes else None
+                if last is not None and last.count == n and last.active == a:
+                    last.stop = i + 1
+                else:
+                    classes.append(StepClass(i, i + 1, n, ("n", n), None, a))
+            self._classes = classes or [StepClass(0, 0, 0, ("n", 0))]
+            self._counts = self._active = None
+        return self._classes
+
+    @classes.setter
+    def classes(self, value: list[StepClass]) -> None:
+        self._classes, self._counts, self._active = value, None, None
 
     # -- reading -------------------------------------------------------------------
 
     @property
     def known(self) -> bool:
         """Every count is known on the host (no gated step happened since the last load)."""
-        return all(c.count is not None for c in self.classes)
+        return self._classes is None or all(c.count is not None for c in self._classes)
 
     def counts(self) -> list[int]:
         """Per-parameter completed steps (reads device counters: a host sync if unknown on the host)."""
+        if self._classes is None:
+            return list(self._counts)
         out: list[int] = []
-        for c in self.classes:
+        for c in self._classes:
             n = c.count if c.count is not None else int(c.tensor.item())
             out.extend([n] * (c.stop - c.first))
         return out
 
     def max_count(self) -> int:
-        return max((c.count if c.count is not None else int(c.tensor.item())) for c in self.classes) if self.classes else 0
+        if self._classes is None:
+            return max(self._counts, default=0)
+        return max((c.count if c.count is not None else int(c.tensor.item())) for c in self._classes) if self._classes else 0
+
+    def all_active(self) -> bool:
+        """Every parameter has a gradient in the step being planned."""
+        if self._classes is None:
+            return self._active is None or all(self._active)
+        return all(c.active for c in self._classes)
+
+    def active_runs(self) -> tuple[list[tuple[int, int]], list[int | None]]:
+        """The maximal runs ``(first, stop)`` of parameters with a gradient at one count, in buffer order, and
+        their counts (None: unknown on the host): what the fused kernels step, a range of the buffer each."""
+        if self._classes is not None:
+            active = [c for c in self._classes if c.active]
+            return [(c.first, c.stop) for c in active], [c.count for c in active]
+        runs: list[tuple[int, int]] = []
+        counts: list[int | None] = []
+        first, previous = 0, -1
+        for i, n in enumerate(self._counts if self._active is None else
+                              map(operator.sub, map(operator.mul, self._counts, self._active), map(operator.not_, self._active))):
+            if n != previous:  # (an inactive parameter reads -1 here: no run crosses it)
+                if previous >= 0:
+                    runs.append((first, i))
+                    counts.append(previous)
+                first, previous = i, n
+        if previous >= 0:
+            runs.append((first, len(self._counts)))
+            counts.append(previous)
+        return runs, counts
+
+    def active_params(self) -> tuple[list[int], list[int | None]]:
+        """The parameters with a gradient, in buffer order, and their counts (None: unknown on the host)."""
+        if self._classes is None:
+            counts = self._counts
+            index = list(range(len(counts))) if self._active is None else list(itertools.compress(range(len(counts)), self._active))
+            return index, list(map(counts.__getitem__, index))
+        index: list[int] = []
+        counts: list[int | None] = []
+        for c in self._classes:
+            if c.active:
+                index.extend(range(c.first, c.stop))
+                counts.extend([c.count] * (c.stop - c.first))
+        return index, counts
+
+    def inactive(self) -> list[int]:
+        """The parameters without a gradient in the step being planned."""
+        if self._classes is None:
+            return [] if self._active is None else [i for i, a in enumerate(self._active) if not a]
+        return [i for c in self._classes if not c.active for i in range(c.first, c.stop)]
 
     # -- writing -------------------------------------------------------------------
 
@@ -113,7 +202,20 @@ class StepCounter:
 
         Each run a class splits into gets a device counter of its own (the first
         keeps the class's, the others a copy: one op each), so they can diverge.
+        While every count is known on the host and no class has a device counter, the counts are kept
+        per parameter instead, with ``active`` beside them (one assignment a step).
         """
+        if self._classes is None:
+            if active is None and len(set(self._counts)) <= 1:  # all together at one count: one class again
+                n = self._counts[0] if self._counts else 0
+                self.classes = [StepClass(0, len(self._counts), n, ("n", n))]
+            else:
+                self._active = None if active is None else list(active)
+            return
+        if active is not None and all(c.count is not None and c.tensor is None for c in self._classes):
+            self._counts, self._active = self.counts(), list(active)
+            self._classes = None
+            return
         if active is None:
             for c in self.classes:
                 c.active = True
@@ -179,6 +281,10 @@ class StepCounter:
         classes' counts become unknown on the host; classes that stepped
         together keep one identity).  Adjacent classes with equal keys merge.
         """
+        if self._classes is None and not gated:  # per parameter: one C-level pass
+            active = self._active
+            self._counts = [n + 1 for n in self._counts] if active is None else list(map(operator.add, self._counts, active))
+            return
         renamed: dict[Hashable, Hashable] = {}
         for c in self.classes:
             if not c.active:

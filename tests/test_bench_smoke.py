@@ -98,8 +98,8 @@ def test_quick_benchmark_measures_every_row(tmp_path, monkeypatch, capsys):
             assert row(o, w, "dml_optim eager")["optimizer_bytes"] == (states + 1) * 4 * info["trainable_elements"], (o, w)
             if compile_ok:
                 assert row(o, w, "dml_optim compiled")["optimizer_bytes"] == states * 4 * info["trainable_elements"], (o, w)
-            # torch's fused kernel on the flat buffers: the states only, and a kernel call (and the step numbers'
-            # fill) per distinct set of hyperparameters: at most one per step class
+            # torch's fused kernel on the flat buffers: the states only, and a kernel call per distinct set of
+            # hyperparameters: at most one per step class
             assert row(o, w, "dml_optim fused")["optimizer_bytes"] == states * 4 * info["trainable_elements"], (o, w)
             assert row(o, w, "dml_optim fused")["ops_per_step"] <= 1 + 3, (o, w)
         # one flat buffer, one step class: the same ops for 256 tensors as for the LoRA model's 32 trainable ones

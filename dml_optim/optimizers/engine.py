@@ -55,7 +55,7 @@ MASKED_DEVICES = ("privateuseone", "cuda")
 FUSED = "fused"
 def _all_active(flat: FlatBuffer) -> bool:
     """Every step class of ``flat`` has its gradients (as the last step's binding found them)."""
-    return all(c.active for c in flat.counter.classes)
+    return flat.counter.all_active()
 
 
 #: How many counts a fused buffer's range check covers at once (:meth:`EngineMixin._counts_in_range`).
@@ -279,16 +279,18 @@ class EngineMixin:
         """The kernel calls of a fused step of ``flat`` (:func:`dml_optim.fused.plan`), after the same step-limit
         and range checks as the other paths (the rule's scalars, and torch's kernel's, checked a block of 256
         counts at a time and remembered per settings), or None when a count rules the kernel out."""
-        calls = plan_fused(self, group, flat, flat.pending)
+        members, counts = flat.counter.active_params() if flat.pending is not None else flat.counter.active_runs()
+        calls = plan_fused(self, group, flat, flat.pending, members, counts)
         if calls is None:
             return None
         cls = type(self)
         checked = flat.fused.checked  # (settings, {n // _AHEAD: the counts of that block passed under them})
         if checked[0] is not flat.settings:
             checked = flat.fused.checked = (flat.settings, set())
-        for c in flat.counter.classes:
-            n = c.count
-            if c.active and n // _AHEAD not in checked[1]:  # (the constants were checked with the settings)
+        if set(map(_AHEAD.__rfloordiv__, counts)) <= checked[1]:  # (the constants were checked with the settings)
+            return calls
+        for n in sorted(set(counts)):
+            if n // _AHEAD not in checked[1]:
                 if self._counts_in_range(group, flat, n - n % _AHEAD, _AHEAD):  # (a block at once: 1 check in 256)
                     if len(checked[1]) >= 64:
                         checked[1].clear()

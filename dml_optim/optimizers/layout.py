@@ -217,7 +217,7 @@ class LayoutMixin:
                 bindings.append(None)
                 continue
             binding = flat.diagnose()
-            if not flat.plain_grads(binding.foreign):  # (one C-level pass per property; per parameter otherwise)
+            if not flat.plain_grads(binding.foreign, binding.grads):  # (one C-level pass per property; per parameter otherwise)
                 for i in binding.foreign:
                     self._check_grad(flat, i, gi)
             for i in binding.rebound:
@@ -284,7 +284,7 @@ class LayoutMixin:
             return active
         fused = fuses(self, group, flat)
         if active is None and len(counter.classes) == 1:
-            counter.classes[0].active = True
+            counter.split(None)
         else:
             counter.split(active)
             keep = fused or group["nonfinite"] != "skip" and self._several_counts(group, flat)
@@ -308,8 +308,7 @@ class LayoutMixin:
         if foreign:
             flat.gather_grads(foreign)
         if active is not None:  # slots of None gradients may hold an old gradient (inf included; clipping reads them)
-            inactive = [i for c in counter.classes if not c.active for i in range(c.first, c.stop)]
-            for first, stop in _runs(inactive):
+            for first, stop in _runs(counter.inactive()):
                 a, b = flat.segment(first, stop)
                 flat.ensure_grad()[a:b].zero_()
         return active
