@@ -258,6 +258,10 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None, members: list, co
         if KERNELS[op][1]:  # (SGD's kernel reads no step number)
             args[-1] = cache.steps([counts[0]])
         return [(getattr(torch, op), args, kwargs)]
+    if counts.count(counts[0]) == len(counts):  # one count (a single class): one call, one step tensor
+        op, kwargs = cls.fused_kernel(group, counts[0])
+        calls = {(op, *kwargs.items()): (members, cache.steps(counts[:1]) * len(members))}
+        return _calls(flat, grads, names, cache, calls)
     # the step tensor of each distinct count, and the call its count belongs to
     distinct = list(dict.fromkeys(counts))
     steps = dict(zip(distinct, cache.steps(distinct)))
@@ -278,9 +282,16 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None, members: list, co
             entry = calls[keys[like(n)]]
             entry[0].append(member)
             entry[1].append(steps[n])
+    return _calls(flat, grads, names, cache, calls)
+
+
+def _calls(flat, grads: list | None, names: tuple[str, ...], cache: _Cache, calls: dict) -> list:
+    """:func:`plan`'s calls from ``{(kernel, *keyword items): (members, their step tensors)}``."""
     out = []
     for (op, *items), (chosen, step_list) in calls.items():
-        if grads is not None:  # parameter by parameter: the parameters, the gradients read in place
+        if grads is not None and len(chosen) == len(flat.params):  # every parameter, the gradients read in place
+            operands = [flat.params, grads] + [cache.state_views(flat, n) for n in names]  # (the kernels only read lists)
+        elif grads is not None:  # parameter by parameter: the parameters, the gradients read in place
             pick = operator.itemgetter(*chosen) if len(chosen) > 1 else (lambda seq, i=chosen[0]: (seq[i],))
             operands = [list(pick(flat.params)), list(pick(grads))]
             operands += [list(pick(cache.state_views(flat, n))) for n in names]

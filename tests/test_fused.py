@@ -181,13 +181,14 @@ def test_a_gradient_tensor_that_stays_is_gathered_once_and_the_steps_then_repeat
     for p, q in zip(ours, theirs):
         p.grad, q.grad = torch.zeros_like(p), torch.zeros_like(q)
     mine = [p.grad for p in ours]
-    repeats = []
+    full = []  # the steps that took the full path (planning the layout, gathering)
+    prepare = opt._prepare
+    opt._prepare = lambda *args, **kwargs: (full.append(step), prepare(*args, **kwargs))[1]
     for step in range(5):
         for p, q, g in zip(ours, theirs, _grads(shapes, step)):
             p.grad.zero_()
             p.grad.add_(g)  # (what backward does to a gradient that stays)
             q.grad.copy_(g)
-        repeats.append(opt._steady is not None)
         opt.step()
         twin.step()
         _assert_twin(ours, theirs, f"step {step}")
@@ -195,7 +196,7 @@ def test_a_gradient_tensor_that_stays_is_gathered_once_and_the_steps_then_repeat
             assert all(p.grad is g for p, g in zip(ours, mine)) and buffers(opt)[0].grad is None
         else:
             assert buffers(opt)[0].grad is not None and not any(p.grad is g for p, g in zip(ours, mine))
-    assert repeats == [False, False, True, True, True]  # (step 1 gathers and records the bindings; then repeats)
+    assert full == [0, 1]  # (step 1 gathers and records the bindings; then the steps repeat)
 
 
 def test_the_same_read_only_gradients_handed_over_again_are_read_in_place_every_step():
@@ -379,6 +380,84 @@ def test_the_repeated_step_equals_the_full_path_under_every_change(name, checks)
     finally:
         FlatOptimizer._repeat = real
     assert sum(repeats) >= 5  # the quiet stretches of the loop repeat the plan (steps 2-4 at least)
+
+
+def _fresh_loop(opts, params, held, step):
+    """One step of a loop that hands fresh gradient tensors over (``zero_grad(set_to_none=True)``, then
+    backward), a changing third of them ``None`` (steps 0-9 and 20-29), or (steps 10-14) our ``zero_grad()``
+    with the gradients written into the views it keeps; then the events of the loop."""
+    for opt, ps, last in zip(opts, params, held):
+        if 10 <= step < 15:
+            opt.zero_grad()
+        for i, p in enumerate(ps):
+            g = torch.sin((i + 1) * (step + 1) * torch.linspace(0, 1, p.numel(), dtype=p.dtype)).view_as(p)
+            if 10 <= step < 15 and p.grad is not None:
+                p.grad.copy_(g)
+            elif step < 10 or step >= 20:
+                p.grad = None if (i + step) % 3 == 0 else g
+            else:
+                p.grad = g
+            last[i] = p.grad
+        if step == 7:
+            opt.param_groups[0]["lr"] *= 0.5  # a scheduler
+        if step == 17:  # a gradient that stays and is written into (accumulated): gathered
+            ps[0].grad = last[0] = held[0][0] if held[0][0] is not None else ps[0].grad
+        if step == 18:
+            ps[0].grad.mul_(0.5)
+        if step == 22:
+            ps[2].requires_grad_(False)  # frozen ...
+            ps[2].grad = None
+        if step == 24:
+            ps[2].requires_grad_(True)  # ... and unfrozen
+        if step == 25:
+            opt.load_state_dict(opt.state_dict())
+        if step == 27:
+            ps[1].data = ps[1].detach().clone()  # re-bound parameter values
+        opt.step()
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+@pytest.mark.parametrize("checks", ["refs", "full", "fast"])
+def test_the_repeated_in_place_step_equals_the_full_path_under_every_change(name, checks):
+    """Gradients read where they are (parameters of 16k elements: fresh tensors after
+    ``zero_grad(set_to_none=True)``, a changing third of them ``None``) repeat the last step's plan after the
+    same checks of the gradients (:meth:`_reads_again`), bit for bit equal to an optimizer that never repeats,
+    through a scheduler, gradient views and back, a gradient written into, freezing, a reload and re-bound
+    values."""
+    shapes = [(128, 128), (BIG,), (64, 256), (BIG + 8,)]
+    make = TWINS[name][0]
+    values = _values(shapes)
+    params = [[torch.nn.Parameter(v.clone()) for v in values] for _ in range(2)]
+    opts = [make(ps) for ps in params]
+    for opt in opts:
+        opt.checks = checks
+    _without_repeat(opts[1])
+    read_again = []
+    real = FlatOptimizer._reads_again
+
+    def counting(self, flat, mode):
+        done = real(self, flat, mode)
+        read_again.append(done)
+        return done
+
+    FlatOptimizer._reads_again = counting
+    held = [[None] * len(shapes) for _ in opts]
+    try:
+        for step in range(30):
+            _fresh_loop(opts, params, held, step)
+            _assert_equal(params[0], params[1], f"{name} checks={checks} step {step}")
+            for ours, theirs in zip(params[0], params[1]):
+                assert (ours.grad is None) == (theirs.grad is None)
+    finally:
+        FlatOptimizer._reads_again = real
+    assert sum(read_again) >= 10, read_again  # the None patterns and fresh gradients repeated the plan
+    mine, other = opts[0].flat_buffers(), opts[1].flat_buffers()
+    for a, b in zip(mine, other):  # the same buffers, every parameter bound to its slice of them
+        assert a.step_counts == b.step_counts and torch.equal(a.data, b.data)
+        assert all(torch.equal(a.states[k], b.states[k]) for k in b.states)
+        for info, ps in ((a, params[0]), (b, params[1])):
+            base, end = info.data.data_ptr(), info.data.data_ptr() + info.numel * info.data.element_size()
+            assert all(base <= ps[i].data_ptr() < end for i in info.param_indices)
 
 
 def test_the_repeat_is_not_used_where_the_full_path_must_run():

@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from dml_optim.backends import compiles, fuses, masked_runner, runner_for, tiers
 from dml_optim.compiled import _dispatch_mode_active, _is_compiling
-from dml_optim.flat import FlatBuffer, describe_param
-from dml_optim.fused import kernel_scalars, remember_read
+from dml_optim.flat import _GRAD, FlatBuffer, describe_param
+from dml_optim.fused import kernel_scalars, reads_in_place, remember_read
 from dml_optim.fused import plan as plan_fused
 from dml_optim.fused import run as run_fused
 from dml_optim.optimizers.layout import _unchanged
@@ -235,19 +235,25 @@ class EngineMixin:
         if (self.atomic or len(planned) != len(flats) or any(g["nonfinite"] != "propagate" for g in self.param_groups)
                 or any(entry[2] is not FUSED for entry in planned)):
             return None
-        if (any(a is not b[1] for a, b in zip(flats, work)) or any(not _all_active(f) for f in flats)
-                or any(f.uses is None for f in flats)):  # (every gradient in its view: what a repeat checks for)
+        if any(a is not b[1] for a, b in zip(flats, work)):
+            return None
+        # every gradient in its view (what a repeat checks in O(1)), or every gradient read in place
+        if any(not (f.uses is not None and _all_active(f) or f.fused is not None and f.fused.read is not None)
+               for f in flats):
             return None
         return flats
 
     def _repeat(self) -> bool:
         """Step the way the last step did, if nothing it depended on changed: True when it stepped.
 
-        After a plain step in which every buffer ran torch's fused kernel over its own gradient views, all
-        present (the steady state of a training loop: :meth:`_repeatable`), the next step needs no layout
-        work: it checks what could have changed (each group's settings and frozen parameters, each
-        buffer's bindings and step classes, a dispatch mode or a dynamo trace) and then plans and commits
-        exactly as :meth:`_run` does, through the same functions.  Anything else takes the full path
+        After a plain step in which every buffer ran torch's fused kernel (the steady state of a training
+        loop: :meth:`_repeatable`), the next step needs no layout work: it checks what could have changed
+        (each group's settings and frozen parameters, each buffer's bindings, a dispatch mode or a dynamo
+        trace) and then plans and commits exactly as :meth:`_run` does, through the same functions.  A
+        buffer whose gradients were all in their views of the flat buffer must find them there again
+        (:meth:`FlatBuffer.check`); one whose gradients were read where they are (fresh tensors after
+        ``zero_grad(set_to_none=True)``, some of them ``None``) reads this step's the same way, after the
+        same checks the full path makes of them (:meth:`_reads_again`).  Anything else takes the full path
         (False)."""
         flats = self._steady
         if (_is_compiling() or _dispatch_mode_active() or getattr(self, "found_inf", None) is not None
@@ -256,23 +262,53 @@ class EngineMixin:
         mode = self.checks
         work, planned = [], []
         k = 0
-        for group, layout in zip(self.param_groups, self._layout):
-            if (not _unchanged(group, layout.checked) or group["nonfinite"] != "propagate"
-                    or (layout.frozen and self._unfrozen(group, layout))):
+        try:
+            for group, layout in zip(self.param_groups, self._layout):
+                if (not _unchanged(group, layout.checked) or group["nonfinite"] != "propagate"
+                        or (layout.frozen and self._unfrozen(group, layout))):
+                    return False
+                for flat in layout.buffers:  # (settings validated anew since this buffer's last step: plan anew)
+                    if k >= len(flats) or flat is not flats[k] or flat.settings is not layout.checked:
+                        return False
+                    if flat.uses is not None:
+                        if not _all_active(flat) or not flat.check(mode):
+                            return False
+                    elif not self._reads_again(flat, mode):
+                        return False
+                    k += 1
+                    calls = self._fused_plan(group, flat)
+                    if calls is None:
+                        return False
+                    work.append((group, flat))
+                    planned.append((group, flat, FUSED, None, None, None, calls))
+            if k != len(flats):
                 return False
-            for flat in layout.buffers:  # (settings validated anew since this buffer's last step: plan anew)
-                if (k >= len(flats) or flat is not flats[k] or flat.settings is not layout.checked
-                        or not _all_active(flat) or not flat.check(mode)):
-                    return False
-                k += 1
-                calls = self._fused_plan(group, flat)
-                if calls is None:
-                    return False
-                work.append((group, flat))
-                planned.append((group, flat, FUSED, None, None, None, calls))
-        if k != len(flats):
-            return False
+        finally:
+            if len(planned) != len(flats) or k != len(flats):  # (not repeated, or raised: nothing of it stays)
+                for flat in flats:
+                    flat.pending = None
         self._commit(work, planned)
+        return True
+
+    def _reads_again(self, flat: FlatBuffer, mode: str) -> bool:
+        """A repeat of a buffer whose last step read its gradients in place: True when this step's can be read
+        in place too, and then ``flat.pending`` holds them.  The checks are the full path's for such a
+        buffer: the parameters still bound to the buffer (the data storage's use count,
+        :meth:`FlatBuffer.moved`; ``"full"``: every pointer, shape and stride), the gradients dense tensors of their parameters'
+        shape, dtype and device (:meth:`FlatBuffer.plain_grads`), contiguous and not written into since
+        the last step read them (:func:`dml_optim.fused.reads_in_place`).  The buffer's own gradient views
+        back in ``.grad`` (``zero_grad()`` keeping them) take the full path, which records them, so the
+        following steps repeat with the O(1) check."""
+        grads = list(map(_GRAD, flat.params))
+        index = [i for i, g in enumerate(grads) if g is not None]
+        if not index or flat.holds_grad(index[0], grads[index[0]]):
+            return False
+        if flat.rebound() if mode == "full" else flat.moved("refs") or mode == "fast" and flat.moved("fast"):
+            return False  # ("fast" checks the counts too, as FlatBuffer.check does, then the ends)
+        if not flat.plain_grads(index, grads) or not reads_in_place(flat, grads, None):
+            return False
+        flat.counter.split(None if len(index) == len(grads) else [g is not None for g in grads])
+        flat.pending = grads
         return True
 
     def _fused_plan(self, group, flat: FlatBuffer):
