@@ -179,11 +179,12 @@ class _Cache:
     the most distinct counts a step can have) and per-parameter views of the states, kept while the
     layout and the state tensors stay the same."""
 
-    __slots__ = ("offsets", "numbers", "states", "whole", "checked", "read")
+    __slots__ = ("offsets", "numbers", "kernels", "states", "whole", "checked", "read")
 
     def __init__(self, flat):
         self.offsets = flat.offsets
         self.numbers: dict[int, tuple[torch.Tensor, ...]] = {}  # blocks of step-number tensors (:meth:`steps`)
+        self.kernels: tuple = (None, {})  # (settings token, {count: (kernel, keyword arguments)}): :meth:`kernel`
         self.states: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.whole: tuple | None = None  # (operands, {op: argument lists}) of a step of the whole buffer
         self.checked: tuple = (None, set())  # (settings token, blocks of counts whose scalars passed the range check)
@@ -207,6 +208,18 @@ class _Cache:
             with _disable_current_modes():  # (host bookkeeping, not the step's work: no op counter sees it)
                 views = self.numbers[block] = torch.arange(first + 1, first + 257, dtype=torch.float32).unbind(0)
         return views
+
+    def kernel(self, cls, group: dict[str, Any], settings, count: int) -> tuple[str, dict[str, Any], tuple]:
+        """``cls.fused_kernel(group, count)`` and a key equal for equal calls, kept while the group's validated ``settings`` (the buffer's
+        settings token) stay the same: the Adams' keywords depend on the count, and most of a step's counts
+        were met before."""
+        if self.kernels[0] is not settings or len(self.kernels[1]) >= 4096:
+            self.kernels = (settings, {})
+        found = self.kernels[1].get(count)
+        if found is None:
+            op, kwargs = cls.fused_kernel(group, count)
+            found = self.kernels[1][count] = (op, kwargs, (op, *kwargs.items()))
+        return found
 
     def whole_arguments(self, flat, names: tuple[str, ...], op: str) -> list:
         """The argument lists of a kernel call over the whole buffer (kept while its tensors are the same)."""
@@ -253,54 +266,53 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None, members: list, co
     if not counts or None in counts or max(counts) > MAX_COUNT:
         return None
     if grads is None and len(members) == 1 and members[0][1] - members[0][0] == len(flat.params):  # the steady step
-        op, kwargs = cls.fused_kernel(group, counts[0])
+        op, kwargs, _ = cache.kernel(cls, group, flat.settings, counts[0])
         args = cache.whole_arguments(flat, names, op)
         if KERNELS[op][1]:  # (SGD's kernel reads no step number)
             args[-1] = cache.steps([counts[0]])
         return [(getattr(torch, op), args, kwargs)]
     if counts.count(counts[0]) == len(counts):  # one count (a single class): one call, one step tensor
-        op, kwargs = cls.fused_kernel(group, counts[0])
-        calls = {(op, *kwargs.items()): (members, cache.steps(counts[:1]) * len(members))}
-        return _calls(flat, grads, names, cache, calls)
+        return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, flat.settings, counts[0]), members,
+                                                   cache.steps(counts[:1]) * len(members))])
     # the step tensor of each distinct count, and the call its count belongs to
     distinct = list(dict.fromkeys(counts))
     steps = dict(zip(distinct, cache.steps(distinct)))
     vary = cls.fused_counts  # which counts share a call's keyword arguments: all, all but 0, none
-    like = (lambda n: 0) if vary == "none" else (lambda n: n) if vary == "each" else (lambda n: min(n, 1))
-    keys: dict[int, tuple] = {}  # per class of counts with equal arguments: the call's key
-    for n in distinct:
-        if like(n) not in keys:
-            op, kwargs = cls.fused_kernel(group, n)
-            keys[like(n)] = (op, *kwargs.items())
-            if vary == "none":
-                break
-    calls: dict[tuple, tuple[list, list]] = {key: ([], []) for key in keys.values()}  # -> (members, step tensors)
-    if len(calls) == 1:  # (AdamW, Adagrad: one call whatever the counts)
-        calls = {next(iter(calls)): (members, list(map(steps.__getitem__, counts)))}
-    else:
-        for member, n in zip(members, counts):
-            entry = calls[keys[like(n)]]
-            entry[0].append(member)
-            entry[1].append(steps[n])
-    return _calls(flat, grads, names, cache, calls)
+    if vary == "none" or vary == "first" and 0 not in steps:  # (AdamW, Adagrad: one call whatever the counts)
+        return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, flat.settings, counts[0]), members,
+                                                   list(map(steps.__getitem__, counts)))])
+    kernels = {n: cache.kernel(cls, group, flat.settings, n) for n in distinct}
+    calls: dict[tuple, tuple[tuple, list, list]] = {}  # per distinct call (equal keywords): (call, members, steps)
+    for member, n in zip(members, counts):
+        kernel = kernels[n]
+        entry = calls.get(kernel[2])
+        if entry is None:
+            entry = calls[kernel[2]] = (kernel, [], [])
+        entry[1].append(member)
+        entry[2].append(steps[n])
+    return _calls(flat, grads, names, cache, list(calls.values()))
 
 
-def _calls(flat, grads: list | None, names: tuple[str, ...], cache: _Cache, calls: dict) -> list:
-    """:func:`plan`'s calls from ``{(kernel, *keyword items): (members, their step tensors)}``."""
+def _calls(flat, grads: list | None, names: tuple[str, ...], cache: _Cache, calls: list) -> list:
+    """:func:`plan`'s calls from ``(:meth:`_Cache.kernel`'s entry, members, their step tensors)`` per call."""
     out = []
-    for (op, *items), (chosen, step_list) in calls.items():
+    states = [cache.state_views(flat, n) for n in names] if grads is not None else [flat.states[n] for n in names]
+    for (op, kwargs, _), chosen, step_list in calls:
         if grads is not None and len(chosen) == len(flat.params):  # every parameter, the gradients read in place
-            operands = [flat.params, grads] + [cache.state_views(flat, n) for n in names]  # (the kernels only read lists)
+            operands = [flat.params, grads, *states]  # (the kernels only read lists)
         elif grads is not None:  # parameter by parameter: the parameters, the gradients read in place
-            pick = operator.itemgetter(*chosen) if len(chosen) > 1 else (lambda seq, i=chosen[0]: (seq[i],))
-            operands = [list(pick(flat.params)), list(pick(grads))]
-            operands += [list(pick(cache.state_views(flat, n))) for n in names]
+            if len(chosen) == 1:
+                i = chosen[0]
+                operands = [[flat.params[i]], [grads[i]], *[[t[i]] for t in states]]
+            else:
+                pick = operator.itemgetter(*chosen)
+                operands = [list(pick(flat.params)), list(pick(grads)), *[list(pick(t)) for t in states]]
         else:  # run by run: ranges of the flat buffers
             bounds = [flat.segment(first, stop) for first, stop in chosen]
-            operands = [[t[a:b] for a, b in bounds] for t in [flat.data, flat.grad] + [flat.states[n] for n in names]]
+            operands = [[t[a:b] for a, b in bounds] for t in [flat.data, flat.grad, *states]]
         n_states, has_steps = KERNELS[op]
         args = operands + [[] for _ in range(n_states - len(names))] + ([step_list] if has_steps else [])
-        out.append((getattr(torch, op), args, dict(items)))
+        out.append((getattr(torch, op), args, kwargs))
     return out
 
 
