@@ -82,6 +82,9 @@ def test_quick_benchmark_measures_every_row(tmp_path, monkeypatch, capsys):
     for ref in doc["references"]:
         frozen_row = ref["workload"].startswith(FROZEN_PREFIXES)
         assert (ref["auto_backend"], ref["auto_runs"]) == (("auto" if frozen_row else "fused"), "fused"), ref
+        # the reference: the stream limit, its three passes timed in every round
+        assert ref["reference"] == "stream" and list(ref["reference_passes"]) == ["add", "sgd", "adam"], ref
+        assert sum(p["fastest_rounds"] for p in ref["reference_passes"].values()) == ref["rounds"]
 
     def row(o, w, c):
         return next(r for r in doc["results"] if (r["optimizer"], r["workload"], r["candidate"]) == (o, w, c))
@@ -337,19 +340,177 @@ def test_the_low_bit_row_measures_ours_and_says_which_peers_are_missing(monkeypa
     assert (target["status"] == "not measured") is (not rows["bitsandbytes AdamW8bit"]["available"])
 
 
-def test_the_cpu_bandwidth_reference_is_an_in_place_add_that_a_fused_step_stays_under():
-    """The CPU reference writes back what it reads, as a fused optimizer step does (the triad it replaced
-    pays a write-allocate, so fused steps read above 100% of it).  The reference updates ``a`` in place
-    and moves 3 elements per element; its name follows the document (older ones say triad)."""
-    from dml_optim.benchmark.timing import Reference, reference_name
+def test_the_cpu_reference_is_the_stream_limit_of_in_place_passes():
+    """The CPU reference is the stream limit: the in-place add (3 elements per element), torch._fused_sgd_ with
+    momentum (5: p, g, buf read; p, buf written) and torch._fused_adam_ (7: p, g, m, v read; p, m, v written),
+    lr 0, over the row's elements, sharing their tensors; each updates them in place and keeps them bounded."""
+    from dml_optim.benchmark.timing import PASS_PREFIX, STREAM_PASSES, Reference
+
+    assert STREAM_PASSES == {"add": 3, "sgd": 5, "adam": 7}
+    ref = Reference(1024, torch.device("cpu"), torch.float32)
+    assert ref.kind == "stream" and ref.numel == 1024 and ref.bytes_moved == 3 * 4 * 1024  # a 3-element pass
+    assert list(ref.passes) == ["add", "sgd", "adam"] and ref.traffic == STREAM_PASSES  # torch >= 2.4: all three
+    assert {name: ref.pass_bytes(name) for name in ref.passes} == {"add": 3 * 4096, "sgd": 5 * 4096, "adam": 7 * 4096}
+    assert list(ref.steps()) == [PASS_PREFIX + name for name in ref.passes]
+    t = ref.tensors
+    assert sorted(t) == ["g", "m", "p", "v"] and ref.probe is t["p"]  # four tensors of the row's size, no more
+    assert all(x.shape == (1024,) for x in t.values())
+
+    def after(name: str) -> dict[str, torch.Tensor]:
+        before = {k: x.clone() for k, x in t.items()}
+        storage = {k: x.data_ptr() for k, x in t.items()}
+        ref.passes[name]()
+        assert {k: x.data_ptr() for k, x in t.items()} == storage  # in place
+        assert torch.equal(t["g"], before["g"])  # the gradient is only read
+        return before
+
+    old = after("add")
+    torch.testing.assert_close(t["p"], old["p"] + 0.5 * old["g"], rtol=0, atol=0)
+    old = after("sgd")
+    assert torch.equal(t["p"], old["p"])  # lr 0
+    torch.testing.assert_close(t["m"], 0.5 * old["m"] + old["g"])
+    old = after("adam")
+    assert torch.equal(t["p"], old["p"])
+    torch.testing.assert_close(t["m"], 0.9 * old["m"] + 0.1 * old["g"])
+    torch.testing.assert_close(t["v"], 0.999 * old["v"] + 0.001 * old["g"] ** 2)
+    for _ in range(200):  # many calls later, every value finite and near its start's size
+        for step in ref.passes.values():
+            step()
+    assert all(torch.isfinite(x).all() and x.abs().max() < 1e3 for x in t.values())
+
+
+def test_the_stream_limit_is_the_add_alone_where_torch_lacks_the_fused_ops(monkeypatch):
+    from dml_optim.benchmark.timing import Reference, round_robin, wall_seconds
+
+    monkeypatch.delattr(torch, "_fused_sgd_")
+    monkeypatch.delattr(torch, "_fused_adam_")
+    ref = Reference(256, torch.device("cpu"), torch.float32)
+    assert list(ref.passes) == ["add"] and ref.traffic == {"add": 3} and sorted(ref.tensors) == ["g", "p"]
+    timed = round_robin(ref.steps(), lambda fn, inner: wall_seconds(fn, torch.device("cpu"), inner),
+                        dict(_ONE_SAMPLE, rounds=3, min_rounds=3))
+    best, fields = ref.summary(timed)
+    assert len(best) == 3 and fields["reference_fastest"] == "add"
+    assert fields["reference_passes"]["add"]["fastest_rounds"] == 3
+
+
+def test_round_robin_returns_each_rounds_sample():
+    """``round_seconds``: each name's samples in round order, beside the median and the spread."""
+    from dml_optim.benchmark.timing import round_robin
+
+    # each step returns its next time; two calls before the rounds (the inner count, the round's length)
+    times = {"a": iter([1.0, 1.0, 3.0, 1.0, 2.0, 5.0]), "b": iter([1.0, 1.0, 4.0, 6.0, 8.0, 7.0])}
+    order = []
+
+    def timer(fn, inner):
+        return fn()
+
+    steps = {name: (lambda name=name, it=it: order.append(name) or next(it)) for name, it in times.items()}
+    settings = dict(_ONE_SAMPLE, rounds=4, min_rounds=4)
+    timed = round_robin(steps, timer, settings)
+    assert timed["a"] == {"seconds": 2.5, "min_seconds": 1.0, "max_seconds": 5.0, "inner": 1, "samples": 4,
+                          "round_seconds": [3.0, 1.0, 2.0, 5.0]}
+    assert timed["b"]["round_seconds"] == [4.0, 6.0, 8.0, 7.0] and timed["b"]["seconds"] == 6.5
+    assert order[4:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # the order rotates each round
+
+
+def test_a_fraction_of_the_reference_pairs_the_samples_of_each_round():
+    """The reference is slow in rounds 1 and 2 (a noisy neighbour), the candidate in round 1 only: the medians
+    taken apart say 180%, the rounds paired say 90%."""
+    from dml_optim.benchmark.timing import paired_fraction
+
+    ref_bps = [100.0, 50.0, 50.0]
+    step_bytes = 90.0
+    seconds = [1.0, 2.0, 1.0]  # 90, 45, 90 bytes per second
+    medians_apart = (step_bytes / sorted(seconds)[1]) / sorted(ref_bps)[1]
+    assert medians_apart == pytest.approx(1.8)
+    assert paired_fraction(seconds, step_bytes, ref_bps) == pytest.approx(0.9)
+    with pytest.raises(ValueError):
+        paired_fraction(seconds[:2], step_bytes, ref_bps)
+
+
+def test_the_reference_of_a_round_is_its_fastest_pass():
+    """Per round the fastest pass's bytes per second (another pass may win another round); the record has each
+    pass's median GB/s, the rounds it won, the pass that won most, the median of the rounds' best, and the ms
+    of a 3-element pass at that bandwidth."""
+    from dml_optim.benchmark.timing import PASS_PREFIX, Reference
 
     ref = Reference(1024, torch.device("cpu"), torch.float32)
-    assert ref.kind == "inplace-add" and ref.bytes_moved == 3 * 4 * 1024
-    a, b = ref.a.clone(), ref.b.clone()
-    ref.step()
-    torch.testing.assert_close(ref.a, a + 0.5 * b, rtol=0, atol=0)  # in place: the same storage, updated
+    gbs = {"add": [50.0, 40.0, 52.0], "sgd": [55.0, 30.0, 54.0], "adam": [58.0, 20.0, 57.0]}
+    timed = {PASS_PREFIX + n: {"round_seconds": [ref.pass_bytes(n) / (r * 1e9) for r in rates],
+                               "seconds": ref.pass_bytes(n) / (sorted(rates)[1] * 1e9)} for n, rates in gbs.items()}
+    best, fields = ref.summary(timed)
+    assert best == pytest.approx([58e9, 40e9, 57e9])
+    assert fields["reference_gbs"] == pytest.approx(57.0)
+    assert fields["reference_ms"] == pytest.approx(3 * 4 * 1024 / 57e9 * 1e3)
+    assert fields["reference_fastest"] == "adam"
+    assert {n: (p["traffic"], p["fastest_rounds"]) for n, p in fields["reference_passes"].items()} == {
+        "add": (3, 1), "sgd": (5, 0), "adam": (7, 2)}
+    assert fields["reference_passes"]["sgd"]["gbs"] == pytest.approx(54.0)
+
+
+def test_a_speed_row_records_the_stream_limit_and_its_passes(monkeypatch):
+    """A CPU speed row's reference record: kind ``stream``, each pass's GB/s, the fastest, the rounds; the
+    report prints the passes, and each row's fraction pairs its samples with the stream limit's, round by round."""
+    from dml_optim.benchmark import speed
+    from dml_optim.benchmark.candidates import BYTES_PER_ELEMENT, TORCH_CANDIDATES
+    from dml_optim.benchmark.report import _speed
+    from dml_optim.benchmark.timing import Reference, paired_fraction, round_robin
+
+    seen = {}
+
+    def recorded(*args, **kwargs):
+        seen.update(round_robin(*args, **kwargs))
+        return seen
+
+    monkeypatch.setattr(speed, "round_robin", recorded)
+    settings = dict(_ONE_SAMPLE, rounds=3, min_rounds=3)
+    rows, ref = speed.measure_group("adam", benchmark.workload("one-64k"), torch.device("cpu"), torch.float32,
+                                    settings, lambda m: None, ("dml_optim fused", *TORCH_CANDIDATES))
+    assert sorted(n for n in seen if n.startswith("reference ")) == ["reference adam", "reference add", "reference sgd"]
+    reference = Reference(65536, torch.device("cpu"), torch.float32)
+    best, _ = reference.summary(seen)
+    for r in rows:
+        assert r["fraction_of_reference"] == pytest.approx(paired_fraction(
+            seen[r["candidate"]]["round_seconds"], BYTES_PER_ELEMENT["adam"] * 4 * 65536, best)), r["candidate"]
+    assert ref["reference"] == "stream" and ref["reference_elements"] == 65536 and ref["rounds"] == 3
+    passes = ref["reference_passes"]
+    assert {n: p["traffic"] for n, p in passes.items()} == {"add": 3, "sgd": 5, "adam": 7}
+    assert sum(p["fastest_rounds"] for p in passes.values()) == 3 and ref["reference_fastest"] in passes
+    # the median of each round's best is at least each pass's median
+    assert max(p["gbs"] for p in passes.values()) <= ref["reference_gbs"] * (1 + 1e-9)
+    assert ref["reference_ms"] == pytest.approx(reference.bytes_moved / (ref["reference_gbs"] * 1e9) * 1e3)
+    doc = {"device": "cpu", "results": rows, "references": [ref]}
+    lines = _speed(doc)
+    (header,) = [line for line in lines if line.startswith("| bandwidth reference |")]
+    assert header.endswith("| passes GB/s (* fastest) |")
+    line = next(x for x in lines if x.startswith("| stream of 65,536 | adam |"))
+    assert line.count("*") == 1 and all(f"{n} " in line for n in passes)
+    assert "| % of the stream limit |" in lines[0]
+
+
+def test_older_documents_keep_their_reference_names():
+    """Documents recorded with the in-place add or the triad (or on CUDA the copy) say so in reports and targets;
+    a reference record without passes prints without the passes column."""
+    from dml_optim.benchmark.report import _speed
+    from dml_optim.benchmark.timing import reference_name
+
+    assert reference_name({"references": [{"reference": "stream"}]}) == "the stream limit"
     assert reference_name({"references": [{"reference": "inplace-add"}]}) == "the in-place add"
     assert reference_name({"references": [{"reference": "triad"}]}) == "the triad"
+    assert reference_name({"references": [{"reference": "copy"}]}) == "the copy"
+    assert reference_name({"device": "cpu", "references": []}) == "the stream limit"
+    assert reference_name({"device": "cuda:0", "references": []}) == "the copy"
+    for kind, name in (("stream", "the stream limit"), ("inplace-add", "the in-place add"), ("triad", "the triad")):
+        doc = _speed_doc({("adam", "one-64m"): {"dml_optim eager": 10.0, "torch fused": 11.0}}, reference_kind=kind)
+        target = _target(doc, f"one-64m Adam >= 70% of {name}")
+        assert (target["versus"], target["measured"], target["status"]) == (name, 0.8, "PASS")
+        for r in doc["results"]:
+            r.update({**dict.fromkeys(ROW_FIELDS), **r, "gbs": 1.0, "first_step_ms": 1.0})
+        doc["references"][0].update(reference_elements=64, reference_ms=1.0, reference_gbs=1.0,
+                                    reference_kernel_gbs=None)
+        lines = _speed(doc)
+        assert f"| % of {name} |" in lines[0] and "passes GB/s" not in "".join(lines)
+        assert f"| {kind} of 64 | adam | one-64m | 1.000 | 1.0 | n/a |" in lines
 
 
 # -- the None-pattern and construction rows; the targets of each row -------------------------------------------
@@ -418,13 +579,14 @@ def test_the_construction_row_at_its_quick_size():
     assert rec["ratio"] == ours["ms"] / fused["ms"] and rec["limit"] == 1.5
 
 
-def _speed_doc(times: dict[tuple[str, str], dict[str, float | str]], device: str = "cpu", auto: str = "eager") -> dict:
+def _speed_doc(times: dict[tuple[str, str], dict[str, float | str]], device: str = "cpu", auto: str = "eager",
+               reference_kind: str = "stream") -> dict:
     """A result document with speed rows: per (optimizer, workload), each candidate's ms per step (a string: n/a,
-    with that reason); the reference says dml_optim runs ``auto``."""
+    with that reason); the reference (of ``reference_kind``) says dml_optim runs ``auto``."""
     doc = {"device": device, "results": [], "references": []}
     for (optimizer, work), candidates in times.items():
         doc["references"].append({"optimizer": optimizer, "workload": work, "auto_backend": auto, "auto_runs": auto,
-                                  "reference": "inplace-add"})
+                                  "reference": reference_kind})
         for candidate, ms in candidates.items():
             measured = not isinstance(ms, str)
             doc["results"].append({"optimizer": optimizer, "workload": work, "candidate": candidate,
@@ -587,7 +749,7 @@ def test_a_cpu_speed_target_compares_the_fused_row():
                       ("adam", "many-small"): {"dml_optim fused": 1.0, "torch fused": 2.0, "torch foreach": 4.0}},
                      auto="fused")
     doc["references"].append({"optimizer": "adam", "workload": "lora-16x512-r8", "auto_backend": "auto",
-                              "auto_runs": "fused", "reference": "inplace-add"})
+                              "auto_runs": "fused", "reference": "stream"})
     doc["results"] += [{"optimizer": "adam", "workload": "lora-16x512-r8", "candidate": c, "available": True,
                         "reason": None, "ms_per_step": ms, "fraction_of_reference": 0.5}
                        for c, ms in (("dml_optim auto", 1.0), ("torch fused", 1.5))]

@@ -10,7 +10,9 @@ the method, the rows and the fields of the JSON document.  One module per job:
   fused), built through the registry, the memory they hold, and what
   ``backend="auto"`` runs;
 * :mod:`~dml_optim.benchmark.timing`: wall, CUDA-event and kernel time,
-  round-robin sampling, the bandwidth reference (in-place add; CUDA: copy);
+  round-robin sampling, the bandwidth reference (the stream limit: the
+  fastest of in-place streaming passes, add and torch's fused SGD and Adam
+  kernels at lr=0, each round; CUDA: copy), fractions of it paired by round;
 * the rows: :mod:`~dml_optim.benchmark.speed` (candidates side by side;
   ops per step from :func:`dml_optim.opcount.count_ops`),
   :mod:`~dml_optim.benchmark.frozen` (LoRA, gradual unfreezing),

@@ -1,8 +1,9 @@
 """The result document as text and as a file: markdown tables, a compact summary, the JSON.
 
 :func:`format_report` prints every section of a document (speed rows, the
-references, compile times, memory, CUDA graphs, instances, host work, None
-patterns, construction, failures, what was not measured and why, targets);
+bandwidth references with their passes' GB/s where recorded, compile times,
+memory, CUDA graphs, instances, host work, None patterns, construction,
+failures, what was not measured and why, targets);
 :func:`format_summary` one line per speed measurement (what ``backend="auto"``
 runs beside torch.optim) and the targets.  Where a table names what ``auto``
 ran it shows the record's ``auto_runs`` (``fused`` on the CPU;
@@ -25,6 +26,7 @@ from typing import Any
 from dml_optim.benchmark.candidates import AUTO
 from dml_optim.benchmark.nonepattern import MODES, find_row
 from dml_optim.benchmark.targets import auto_label, reference, speed_row
+from dml_optim.benchmark.timing import reference_name
 from dml_optim.console import DEFAULT_OUTPUT_DIR
 
 __all__ = ["format_report", "format_summary", "memory_table", "graph_table", "instances_table", "host_table",
@@ -57,8 +59,9 @@ def _speed(doc: dict[str, Any]) -> list[str]:
     if not doc["results"]:
         return []
     kernels = any(r["kernel_ms"] is not None for r in doc["results"])
-    header = ["optimizer", "workload", "candidate", "ms/step", "vs best torch", "GB/s", "% ref"]
-    header += ["kernel ms", "kernel % ref"] if kernels else []
+    share = f"% of {reference_name(doc)}"
+    header = ["optimizer", "workload", "candidate", "ms/step", "vs best torch", "GB/s", share]
+    header += ["kernel ms", f"kernel {share}"] if kernels else []
     header += ["ops/step", "optimizer MB", "first step ms"]
     rows = []
     for r in doc["results"]:
@@ -75,15 +78,30 @@ def _speed(doc: dict[str, Any]) -> list[str]:
                   f"{r['first_step_ms']:.1f}"]
         rows.append(cells)
     lines = _table(header, rows, 3)
-    lines += ["", *_table(["bandwidth reference", "optimizer", "workload", "ms", "GB/s", "kernel GB/s"],
-                          [[f"{x['reference']} of {x['reference_elements']:,}", x["optimizer"], x["workload"],
-                            f"{x['reference_ms']:.3f}", f"{x['reference_gbs']:.1f}", _f(x["reference_kernel_gbs"], ".1f")]
-                           for x in doc["references"]], 3)]
+    lines += ["", *_references_table(doc)]
     compiles = [r for r in doc["results"] if r["candidate"] == "dml_optim compiled" and r["compile_s"] is not None]
     if compiles:
         lines += ["", *_table(["compile time (first compiled step minus a steady one)", "workload", "s"],
                               [[r["optimizer"], r["workload"], f"{r['compile_s']:.2f}"] for r in compiles], 2)]
     return lines
+
+
+def _references_table(doc: dict[str, Any]) -> list[str]:
+    """One line per speed and frozen row's reference: its bandwidth (ms: a 3-element pass at it, for the stream
+    limit), and where the record has them its passes' median GB/s, the fastest marked ``*``."""
+    passes = any("reference_passes" in x for x in doc["references"])
+    return _table(["bandwidth reference", "optimizer", "workload", "ms", "GB/s", "kernel GB/s"]
+                  + (["passes GB/s (* fastest)"] if passes else []),
+                  [[f"{x['reference']} of {x['reference_elements']:,}", x["optimizer"], x["workload"],
+                    f"{x['reference_ms']:.3f}", f"{x['reference_gbs']:.1f}", _f(x["reference_kernel_gbs"], ".1f")]
+                   + ([_passes_cell(x)] if passes else []) for x in doc["references"]], 3, left_last=int(passes))
+
+
+def _passes_cell(record: dict[str, Any]) -> str:
+    """``"add 52.6, sgd 56.7, adam 57.9*"``: each pass's median GB/s, the fastest (in most rounds) marked."""
+    fastest = record.get("reference_fastest")
+    return ", ".join(f"{name} {p['gbs']:.1f}{'*' if name == fastest else ''}"
+                     for name, p in record.get("reference_passes", {}).items()) or "n/a"
 
 
 def _auto_mark(ref: dict[str, Any]) -> str:
@@ -306,7 +324,7 @@ def format_summary(doc: dict[str, Any]) -> str:
     lines = ["summary: " + _header(doc)]
     if rows:
         lines += _table(["optimizer", "workload", "dml_optim ms (auto)", "torch fused ms", "vs fused", "vs best torch",
-                         f"% {doc['references'][0]['reference']}", "ops/step"], rows, 2)
+                         f"% of {reference_name(doc)}", "ops/step"], rows, 2)
     lines.append(f"targets: {counts['PASS']} PASS, {counts['MISS']} MISS, {counts['not measured']} not measured; "
                  f"{len(doc['errors'])} failed, {len(doc['skipped'])} skipped")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ that ``--budget`` cuts the long speed grid, not them).  What the
 run leaves out is listed with the reason (:func:`not_measured`): a row the
 device cannot run (``graph`` off CUDA; ``instances`` without the compiled
 backend), one not selected, and off CUDA the CUDA-only parts of the speed
-rows (kernel time, the copy reference).
+rows (kernel time, the copy reference: the stream limit stands for it).
 :func:`run_plan` runs them one at a time: a failure is recorded in
 ``errors`` and the run goes on; memory is freed after each; with a budget,
 measurements that would start after it are recorded in ``skipped``; after
@@ -83,7 +83,9 @@ def not_measured(device: torch.device, requested: Sequence[str]) -> list[dict[st
         out.append({"what": "kernel time", "reason": "CUDA only: the device time of a step's kernels, from "
                     f"torch.profiler's CUDA activity; on {device.type} the wall time is all there is"})
         out.append({"what": "copy bandwidth", "reason": "CUDA only: a 1 GiB device-to-device copy_; the reference "
-                    f"on {device.type} is the in-place add a += s*b over the workload's trainable elements"})
+                    f"on {device.type} is the stream limit: the fastest, round by round, of in-place passes over the "
+                    "workload's trainable elements (add_, and on the CPU torch._fused_sgd_ and torch._fused_adam_ "
+                    "with lr=0)"})
     return out
 
 

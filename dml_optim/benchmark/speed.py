@@ -11,16 +11,27 @@ one row per candidate:
   ``torch.profiler``;
 * ``gbs``: the minimum bytes a step must move
   (:data:`~dml_optim.benchmark.candidates.BYTES_PER_ELEMENT`) per second, and
-  ``fraction_of_reference`` (``kernel_fraction_of_reference``): it as a
-  fraction of the reference's bytes per second, wall (kernel) times;
+  ``fraction_of_reference``: the median over rounds of the step's bytes per
+  second over the reference's in the same round
+  (:func:`~dml_optim.benchmark.timing.paired_fraction`: the stream limit off
+  CUDA, the fastest of its passes in that round; the copy on CUDA);
+  ``kernel_fraction_of_reference`` (CUDA): kernel times, the step's over the
+  copy's (profiled once, not in rounds);
 * ``ops_per_step``: :func:`dml_optim.opcount.count_ops` (views excluded, a
   compiled kernel call is one op); ``optimizer_bytes``; ``first_step_ms``
   and, for ``compiled``, ``compile_s``.
 
-The reference record's ``auto_backend`` names the row that is what
-``backend="auto"`` runs (:func:`~dml_optim.benchmark.candidates.auto_backend`):
-``fused`` where torch's fused kernel can run the buffer (the CPU, float32 or
-float64, plain states), else the backend it resolves to for the workload's
+The reference record (one per row) has the reference's ``reference`` (kind:
+``stream``, ``copy``), ``reference_elements``, ``reference_gbs`` (the median
+over rounds of the round's reference bandwidth), ``reference_ms`` (a pass of
+:attr:`~dml_optim.benchmark.timing.Reference.bytes_moved` at that bandwidth:
+3 elements per element for the stream limit), ``reference_passes`` (per pass:
+``traffic``, median ``gbs``, ``fastest_rounds``), ``reference_fastest`` and,
+on CUDA, ``reference_kernel_ms`` and ``reference_kernel_gbs``.  Its
+``auto_backend`` names the row that is what ``backend="auto"`` runs
+(:func:`~dml_optim.benchmark.candidates.auto_backend`): ``fused`` where
+torch's fused kernel can run the buffer (the CPU, float32 or float64, plain
+states), else the backend it resolves to for the workload's
 size (``eager`` or ``compiled``: CUDA), or ``auto`` where the row measures a
 ``dml_optim auto`` candidate of its own (the frozen rows: with parameters at
 several step counts, what ``auto`` runs is not the plain step's choice).
@@ -42,7 +53,8 @@ import torch
 from dml_optim.benchmark.candidates import (AUTO, BYTES_PER_ELEMENT, CANDIDATES, TORCH_CANDIDATES, Candidate,
                                             auto_backend, ran, settle, start, unavailable)
 from dml_optim.benchmark.common import error_text
-from dml_optim.benchmark.timing import Reference, kernel_seconds, round_robin, wall_seconds
+from dml_optim.benchmark.timing import (REFERENCE_NAMES, Reference, kernel_seconds, paired_fraction, round_robin,
+                                        wall_seconds)
 from dml_optim.benchmark.workloads import Workload, make_params, make_values
 from dml_optim.opcount import count_ops
 
@@ -99,17 +111,17 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
             settle(c)
     ref = Reference(numel, device, dtype)
     steps = {c.name: c.step for c in cands}
-    steps["reference"] = ref.step
+    steps.update(ref.steps())
     timed = round_robin(steps, lambda fn, inner: wall_seconds(fn, device, inner, ref.probe), settings,
                         {c.name: c.first_step_s for c in cands})
+    ref_bps, ref_fields = ref.summary(timed)
     elem = torch.empty((), dtype=dtype).element_size()
     step_bytes = BYTES_PER_ELEMENT[optimizer] * elem * numel
-    ref_s = timed["reference"]["seconds"]
     for c in cands:
         row = rows[c.name]
         s = timed[c.name]["seconds"]
         row.update(ms_per_step=s * 1e3, steps_per_s=1 / s, gbs=step_bytes / s / 1e9,
-                   fraction_of_reference=ref_s / s * step_bytes / ref.bytes_moved,
+                   fraction_of_reference=paired_fraction(timed[c.name]["round_seconds"], step_bytes, ref_bps),
                    first_step_ms=c.first_step_s * 1e3, samples=timed[c.name]["samples"], inner_steps=timed[c.name]["inner"])
         row["compile_s"] = max(0.0, c.first_step_s - s) if c.name == "dml_optim compiled" else None
         try:
@@ -119,7 +131,7 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
             row["error"] = error_text(exc)
     ref_kernel = None
     if device.type == "cuda" and settings["kernel_time"]:
-        ref_kernel = _kernel(ref.step, None, {})
+        ref_kernel = _kernel(ref.passes["copy"], None, {})
         for c in cands:
             k = _kernel(c.step, rows[c.name]["ops_per_step"], rows[c.name])
             if k is not None:
@@ -132,7 +144,7 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
             row["ratio_to_best_torch"] = min(torch_ms) / row["ms_per_step"]
     reference = {
         "optimizer": optimizer, "workload": work.name, "reference": ref.kind, "reference_elements": ref.numel,
-        "reference_ms": ref_s * 1e3, "reference_gbs": ref.bytes_moved / ref_s / 1e9,
+        **ref_fields,
         "reference_kernel_ms": None if ref_kernel is None else ref_kernel * 1e3,
         "reference_kernel_gbs": None if ref_kernel is None else ref.bytes_moved / ref_kernel / 1e9,
         # (what auto runs in a long run: a buffer it compiles after running eagerly for a while is compiled)
@@ -145,7 +157,8 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
     auto = rows.get(f"dml_optim {reference['auto_backend']}") or {"ms_per_step": None}
     log(f"  {optimizer:8} {work.name:18} dml_optim (auto: {reference['auto_runs'] or 'n/a'}) "
         f"{_ms(auto['ms_per_step'])}, best torch.optim "
-        f"{_ms(min(torch_ms) if torch_ms else None)}, {ref.kind} {ref_s * 1e3:.3f} ms")
+        f"{_ms(min(torch_ms) if torch_ms else None)}, {REFERENCE_NAMES[ref.kind]} "
+        f"{ref_fields['reference_gbs']:.1f} GB/s (fastest: {ref_fields['reference_fastest']})")
     return list(rows.values()), reference
 
 

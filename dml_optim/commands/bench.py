@@ -20,8 +20,9 @@ from dml_optim.console import DEFAULT_OUTPUT_DIR
 HELP = "measure optimizer steps (dml_optim eager/compiled vs torch.optim for-loop/foreach/fused) and more"
 DESCRIPTION = (
     HELP + ". Candidates are measured in one process, round-robin, after warm-up; medians are reported with "
-    "GB/s as a fraction of a bandwidth reference measured in the same run (an in-place add a += s*b on the CPU, a 1 GiB copy "
-    "on CUDA), kernel time (CUDA), ops per step, optimizer memory and compile time. Rows: speed (optimizer x "
+    "GB/s as a fraction of a bandwidth reference measured in the same rounds, round by round (the CPU's stream limit: "
+    "the fastest of in-place passes add_, torch._fused_sgd_ and torch._fused_adam_ at lr=0; a 1 GiB copy on CUDA), "
+    "kernel time (CUDA), ops per step, optimizer memory and compile time. Rows: speed (optimizer x "
     "workload), frozen (a LoRA model, gradual unfreezing), host (host work per parameter, checks=full/fast), "
     "instances (12 compiled Adam, the 12th vs the 2nd), memory (peak at construction, pack_via), construction "
     "(construction + first step vs torch fused, cold and warm), nonepattern (70% of 40 tensors with a gradient, "
