@@ -43,6 +43,7 @@ class of parameters that step together in pieces.
 from __future__ import annotations
 
 import operator
+from functools import partial
 import weakref
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -67,6 +68,7 @@ _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _KIND = operator.attrgetter("dtype", "device", "layout")
+_IS_NONE = partial(operator.is_, None)
 #: How many tensors (and storage objects) hold a storage: ``torch._C._storage_Use_Count`` (torch >= 2.0), or
 #: None where this torch has none (``checks="refs"`` then scans every parameter, as ``"full"`` does).
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
@@ -129,7 +131,7 @@ class FlatBuffer:
     """
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
-                 "grad_refs", "uses", "data_uses", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
+                 "grad_refs", "uses", "data_uses", "absent", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
                  "_owner", "settings", "eager_s", "scalars", "fused", "pending", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
@@ -151,6 +153,7 @@ class FlatBuffer:
         self.grad_refs: list[weakref.ref | None] = [None] * len(self.params)
         self.uses: tuple[int, int] | None = None
         self.data_uses: tuple[torch.Tensor, int] | None = None  # (data, its storage's use count) when all were bound
+        self.absent: tuple = ()  # the parameters without a gradient when ``uses`` were recorded
         self._storages: tuple = ()
         self.countable = all(type(p).grad is _TENSOR_GRAD and type(p).data is _TENSOR_DATA for p in self.params)
         self.ptrs = [] if self.staged else list(map(_DATA_PTR, self.params))
@@ -173,7 +176,7 @@ class FlatBuffer:
     #: Per-process bookkeeping a copy starts without: weak references to the gradient views handed out
     #: (a copy's parameters hold copies of them), the storage use counts and their storage objects, and
     #: the fused backend's cache (step tensors, views, the gradients read last).
-    _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "_storages": (), "fused": None, "pending": None}
+    _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "_storages": (), "fused": None, "pending": None}
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT
@@ -387,7 +390,12 @@ class FlatBuffer:
         place, change the gradient count at every step; :meth:`moved` still answers in O(1))."""
         countable = not self.staged and self.countable and _USE_COUNT is not None
         self.data_uses = (self.data, _USE_COUNT(self._handles()[2])) if countable else None
-        bound = countable and self.grad is not None and self.pending is None and all(self._grads_ours())
+        bound = countable and self.grad is not None and self.pending is None
+        if bound:  # every gradient its view, or None (a count cannot show a None turning into a tensor: kept apart)
+            grads = list(map(_GRAD, self.params))
+            ours = self._grads_ours()
+            bound = any(ours) and all(o or g is None for o, g in zip(ours, grads))
+            self.absent = tuple(p for p, g in zip(self.params, grads) if g is None) if bound else ()
         self.uses = self._use_counts() if bound else None
 
     def check(self, mode: str) -> bool:
@@ -408,16 +416,22 @@ class FlatBuffer:
         """
         if self.uses is None or self._use_counts() != self.uses:
             return False
+        if self.absent:  # (parameters without a gradient still without one: a fresh tensor shows in no count)
+            with _FAST_ATTRIBUTES():
+                if not all(map(_IS_NONE, map(_GRAD, self.absent))):
+                    return False
         if mode == "refs" and self.countable:
             return True
         params, refs = self.params, self.grad_refs
+        views = [ref() if ref is not None else None for ref in refs] if mode != "fast" else None
         if mode != "fast":
             with _FAST_ATTRIBUTES():  # nn.Parameter's __torch_function__ lookup halves these passes' speed
-                if not all(ref() is g for g, ref in zip(map(_GRAD, params), refs)):
+                if not all(map(operator.is_, views, map(_GRAD, params))):
                     return False
                 return list(map(_DATA_PTR, params)) == self.ptrs
         ends = (0, len(params) - 1)
-        return all(refs[i]() is params[i].grad and params[i].data_ptr() == self.ptrs[i] for i in ends)
+        return all((refs[i]() if refs[i] is not None else None) is params[i].grad
+                   and params[i].data_ptr() == self.ptrs[i] for i in ends)
 
     def moved(self, mode: str) -> bool:
         """Some parameter's ``.data`` may have left the buffer (``"refs"``: the data storage's use count,

@@ -210,9 +210,9 @@ class _Cache:
         return views
 
     def kernel(self, cls, group: dict[str, Any], settings, count: int) -> tuple[str, dict[str, Any], tuple]:
-        """``cls.fused_kernel(group, count)`` and a key equal for equal calls, kept while the group's validated ``settings`` (the buffer's
-        settings token) stay the same: the Adams' keywords depend on the count, and most of a step's counts
-        were met before."""
+        """``cls.fused_kernel(group, count)`` and a key equal for equal calls, kept while the group's validated
+        ``settings`` (the buffer's settings token) stay the same: the Adams' keywords depend on the count, and
+        most of a step's counts were met before."""
         if self.kernels[0] is not settings or len(self.kernels[1]) >= 4096:
             self.kernels = (settings, {})
         found = self.kernels[1].get(count)

@@ -115,13 +115,7 @@ class StepCounter:
     def max_count(self) -> int:
         if self._classes is None:
             return max(self._counts, default=0)
-        return max((c.count if c.count is not None else int(c.tensor.item())) for c in self._classes) if self._classes else 0
-
-    def all_active(self) -> bool:
-        """Every parameter has a gradient in the step being planned."""
-        if self._classes is None:
-            return self._active is None or all(self._active)
-        return all(c.active for c in self._classes)
+        return max((c.count if c.count is not None else int(c.tensor.item())) for c in self._classes)
 
     def active_runs(self) -> tuple[list[tuple[int, int]], list[int | None]]:
         """The maximal runs ``(first, stop)`` of parameters with a gradient at one count, in buffer order, and
@@ -132,9 +126,10 @@ class StepCounter:
         runs: list[tuple[int, int]] = []
         counts: list[int | None] = []
         first, previous = 0, -1
-        for i, n in enumerate(self._counts if self._active is None else
-                              map(operator.sub, map(operator.mul, self._counts, self._active), map(operator.not_, self._active))):
-            if n != previous:  # (an inactive parameter reads -1 here: no run crosses it)
+        keys = self._counts if self._active is None else map(  # (an inactive parameter reads -1: no run crosses it)
+            operator.sub, map(operator.mul, self._counts, self._active), map(operator.not_, self._active))
+        for i, n in enumerate(keys):
+            if n != previous:
                 if previous >= 0:
                     runs.append((first, i))
                     counts.append(previous)
@@ -148,7 +143,8 @@ class StepCounter:
         """The parameters with a gradient, in buffer order, and their counts (None: unknown on the host)."""
         if self._classes is None:
             counts = self._counts
-            index = list(range(len(counts))) if self._active is None else list(itertools.compress(range(len(counts)), self._active))
+            index = range(len(counts))
+            index = list(index) if self._active is None else list(itertools.compress(index, self._active))
             return index, list(map(counts.__getitem__, index))
         index: list[int] = []
         counts: list[int | None] = []
@@ -283,7 +279,8 @@ class StepCounter:
         """
         if self._classes is None and not gated:  # per parameter: one C-level pass
             active = self._active
-            self._counts = [n + 1 for n in self._counts] if active is None else list(map(operator.add, self._counts, active))
+            counts = self._counts
+            self._counts = [n + 1 for n in counts] if active is None else list(map(operator.add, counts, active))
             return
         renamed: dict[Hashable, Hashable] = {}
         for c in self.classes:

@@ -460,6 +460,87 @@ def test_the_repeated_in_place_step_equals_the_full_path_under_every_change(name
             assert all(base <= ps[i].data_ptr() < end for i in info.param_indices)
 
 
+def _absent_loop(opts, params, step):
+    """A loop whose parameters 1 and 2 are frozen after the optimizer was built (their gradients stay
+    ``None``), our ``zero_grad()`` keeping the views of the others; at steps 10-12 parameter 2 has a fresh
+    gradient again (``None`` to a tensor: no use count shows it), and at step 16 a scheduler's write."""
+    for opt, ps in zip(opts, params):
+        opt.zero_grad()
+        for i, p in enumerate(ps):
+            g = torch.cos((i + 1) * (step + 1) * torch.linspace(0, 1, p.numel(), dtype=p.dtype)).view_as(p)
+            if i in (1, 2) and not (i == 2 and 10 <= step <= 12):
+                p.grad = None
+            elif p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        if step == 16:
+            opt.param_groups[0]["lr"] *= 0.5
+        opt.step()
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+@pytest.mark.parametrize("checks", ["refs", "full", "fast"])
+def test_parameters_left_without_a_gradient_repeat_and_are_not_zeroed_each_step(name, checks):
+    """Parameters frozen after the optimizer was built stay in its buffer without a gradient: a plain fused
+    step neither zeroes their gradient slots (torch's kernel reads the runs with a gradient only: an O(frozen
+    elements) pass a step, before) nor plans from scratch (the repeat checks that they are still ``None``),
+    bit for bit equal to an optimizer that never repeats, through a gradient coming back and a scheduler."""
+    shapes = [(32, 16), (600,), (40,), (24,)]
+    make = TWINS[name][0]
+    values = _values(shapes)
+    params = [[torch.nn.Parameter(v.clone()) for v in values] for _ in range(2)]
+    opts = [make(ps) for ps in params]
+    for opt in opts:
+        opt.checks = checks
+    _without_repeat(opts[1])
+    full = []
+    prepare = opts[0]._prepare
+    opts[0]._prepare = lambda *args, **kwargs: (full.append(step), prepare(*args, **kwargs))[1]
+    for step in range(20):
+        _absent_loop(opts, params, step)
+        _assert_equal(params[0], params[1], f"{name} checks={checks} step {step}")
+    assert len(full) <= 8, full  # the steps between the changes repeat
+    assert 10 in full and 13 in full  # (the gradient that came back, and left again, took the full path)
+    # a step that plans from scratch (under an op counter: no repeat) writes nothing but the kernel's outputs
+    for opt, ps in zip(opts, params):
+        for i, p in enumerate(ps):
+            if p.grad is not None:
+                p.grad.copy_(torch.full_like(p, 0.5))
+    with OpRecorder(compiled=True) as ops:
+        opts[0].step()
+    opts[1].step()
+    _assert_equal(params[0], params[1], f"{name} checks={checks}, counted")
+    assert "aten::zero_" not in ops.counts(), dict(ops.counts())
+
+
+def test_clipping_after_a_fused_step_ignores_the_old_gradient_of_a_parameter_without_one():
+    """The slot of a parameter whose gradient went ``None`` keeps its old value through fused steps (not
+    zeroed: nothing reads it), and clipping, which reads the flat buffer, zeroes it first: the total norm is
+    torch's over the gradients present, even when the old value was inf."""
+    ours = [torch.nn.Parameter(torch.ones(8)) for _ in range(3)]
+    ref = [torch.nn.Parameter(torch.ones(8)) for _ in range(3)]
+    opt = dml_optim.AdamW(ours, lr=1e-3)
+    opt.zero_grad()
+    for p in ours:
+        p.grad = torch.full((8,), float("inf")) if p is ours[1] else torch.ones(8)
+    ours[1].grad = None  # (after the gather below, the slot would hold inf: write it there directly)
+    opt.step()
+    opt.zero_grad()
+    buffers(opt)[0].grad[8:16].fill_(float("inf"))  # an old gradient in the slot of the parameter without one
+    for p, q, g in zip(ours, ref, (torch.ones(8), None, torch.full((8,), 2.0))):
+        if g is None:
+            p.grad, q.grad = None, None
+        else:
+            p.grad.copy_(g)
+            q.grad = g.clone()
+    opt.step()  # fused, in place: the inf slot is not read
+    assert torch.isfinite(torch.stack(list(ours))).all()
+    total = dml_optim.clip_grad_norm_(opt, 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    torch.testing.assert_close(total, expected)
+
+
 def test_the_repeat_is_not_used_where_the_full_path_must_run():
     """atomic=True, nonfinite checks, a dispatch mode: the full path every step."""
     for options in (dict(atomic=True), dict(nonfinite="raise"), dict(nonfinite="skip")):

@@ -53,9 +53,6 @@ MASKED_DEVICES = ("privateuseone", "cuda")
 
 #: The class slot of a planned update that runs torch's fused kernel (:mod:`dml_optim.fused`).
 FUSED = "fused"
-def _all_active(flat: FlatBuffer) -> bool:
-    """Every step class of ``flat`` has its gradients (as the last step's binding found them)."""
-    return flat.counter.all_active()
 
 
 #: How many counts a fused buffer's range check covers at once (:meth:`EngineMixin._counts_in_range`).
@@ -228,18 +225,16 @@ class EngineMixin:
 
     def _repeatable(self, work, planned) -> tuple | None:
         """The buffers of a step :meth:`_repeat` may repeat: every buffer of every group stepped, in torch's
-        fused kernel over its own gradients, every parameter with one (every step class active: one class,
-        or the runs of parameters unfrozen at different times), with nothing a plain step cannot skip
-        (``atomic``, ``nonfinite`` checks); else None."""
+        fused kernel, over gradients that are all its own views (or ``None``) or all read in place, with
+        nothing a plain step cannot skip (``atomic``, ``nonfinite`` checks); else None."""
         flats = tuple(flat for layout in self._layout for flat in layout.buffers)
         if (self.atomic or len(planned) != len(flats) or any(g["nonfinite"] != "propagate" for g in self.param_groups)
                 or any(entry[2] is not FUSED for entry in planned)):
             return None
         if any(a is not b[1] for a, b in zip(flats, work)):
             return None
-        # every gradient in its view (what a repeat checks in O(1)), or every gradient read in place
-        if any(not (f.uses is not None and _all_active(f) or f.fused is not None and f.fused.read is not None)
-               for f in flats):
+        # every gradient in its view or None (what a repeat checks in O(1)), or every gradient read in place
+        if any(not (f.uses is not None or f.fused is not None and f.fused.read is not None) for f in flats):
             return None
         return flats
 
@@ -250,8 +245,8 @@ class EngineMixin:
         loop: :meth:`_repeatable`), the next step needs no layout work: it checks what could have changed
         (each group's settings and frozen parameters, each buffer's bindings, a dispatch mode or a dynamo
         trace) and then plans and commits exactly as :meth:`_run` does, through the same functions.  A
-        buffer whose gradients were all in their views of the flat buffer must find them there again
-        (:meth:`FlatBuffer.check`); one whose gradients were read where they are (fresh tensors after
+        buffer whose gradients were all in their views of the flat buffer (or ``None``) must find them so
+        again (:meth:`FlatBuffer.check`); one whose gradients were read where they are (fresh tensors after
         ``zero_grad(set_to_none=True)``, some of them ``None``) reads this step's the same way, after the
         same checks the full path makes of them (:meth:`_reads_again`).  Anything else takes the full path
         (False)."""
@@ -270,8 +265,8 @@ class EngineMixin:
                 for flat in layout.buffers:  # (settings validated anew since this buffer's last step: plan anew)
                     if k >= len(flats) or flat is not flats[k] or flat.settings is not layout.checked:
                         return False
-                    if flat.uses is not None:
-                        if not _all_active(flat) or not flat.check(mode):
+                    if flat.uses is not None:  # (the same parameters without a gradient: the same step classes)
+                        if not flat.check(mode):
                             return False
                     elif not self._reads_again(flat, mode):
                         return False
@@ -294,11 +289,11 @@ class EngineMixin:
         """A repeat of a buffer whose last step read its gradients in place: True when this step's can be read
         in place too, and then ``flat.pending`` holds them.  The checks are the full path's for such a
         buffer: the parameters still bound to the buffer (the data storage's use count,
-        :meth:`FlatBuffer.moved`; ``"full"``: every pointer, shape and stride), the gradients dense tensors of their parameters'
-        shape, dtype and device (:meth:`FlatBuffer.plain_grads`), contiguous and not written into since
-        the last step read them (:func:`dml_optim.fused.reads_in_place`).  The buffer's own gradient views
-        back in ``.grad`` (``zero_grad()`` keeping them) take the full path, which records them, so the
-        following steps repeat with the O(1) check."""
+        :meth:`FlatBuffer.moved`; ``"full"``: every pointer, shape and stride), the gradients dense
+        tensors of their parameters' shape, dtype and device (:meth:`FlatBuffer.plain_grads`), contiguous
+        and not written into since the last step read them (:func:`dml_optim.fused.reads_in_place`).  The
+        buffer's own gradient views back in ``.grad`` (``zero_grad()`` keeping them) take the full path, which
+        records them, so the following steps repeat with the O(1) check."""
         grads = list(map(_GRAD, flat.params))
         index = [i for i, g in enumerate(grads) if g is not None]
         if not index or flat.holds_grad(index[0], grads[index[0]]):

@@ -156,7 +156,8 @@ class LayoutMixin:
         gradient although frozen (torch.optim steps every parameter with a gradient)."""
         if not layout.frozen:
             return False
-        frozen = [group["params"][i] for i in layout.frozen]
+        frozen = operator.itemgetter(*layout.frozen)(group["params"]) if len(layout.frozen) > 1 else (
+            group["params"][layout.frozen[0]],)
         with _FAST_ATTRIBUTES():
             if any(map(_REQUIRES_GRAD, frozen)):
                 return True
@@ -277,6 +278,9 @@ class LayoutMixin:
             if binding.rebound:
                 flat.adopt_params(binding.rebound)
             active, foreign = binding.active, binding.foreign
+        elif flat.absent:  # (bindings unchanged: the parameters without a gradient are the ones recorded)
+            absent = set(map(id, flat.absent))
+            active = [id(p) not in absent for p in flat.params]
         if flat.staged:
             flat.stage_in()
         counter = flat.counter
@@ -307,7 +311,9 @@ class LayoutMixin:
             return active  # (one op: every gradient gathered, every None slot zeroed)
         if foreign:
             flat.gather_grads(foreign)
-        if active is not None:  # slots of None gradients may hold an old gradient (inf included; clipping reads them)
+        # slots of None gradients may hold an old gradient (inf included): clipping and masked updates read them;
+        # torch's fused kernel of a plain step reads the runs with a gradient only
+        if active is not None and not (fused and in_place):
             for first, stop in _runs(counter.inactive()):
                 a, b = flat.segment(first, stop)
                 flat.ensure_grad()[a:b].zero_()
