@@ -396,15 +396,22 @@ def test_raise_in_chunked_mode(position, monkeypatch):
     assert_same(before, snapshot(ps, opt))
 
 
-def test_raise_mode_ignores_the_stale_gradient_slot_of_a_parameter_without_grad():
+@pytest.mark.parametrize("kept", [False, True], ids=["fresh", "view-kept"])
+def test_raise_mode_ignores_the_stale_gradient_slot_of_a_parameter_without_grad(kept):
     """An inf left in the flat gradient slot of a parameter whose grad was later set to
-    None must not make every following step raise (with an empty parameter list)."""
+    None must not make every following step raise (with an empty parameter list): whether the
+    other gradient is fresh (gathered with the slots zeroed) or its view kept (accumulated in
+    place: the slot of the parameter without one is zeroed before the check reads the buffer)."""
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
     opt = ADAM.cls([a, b], lr=0.1, nonfinite="raise")
     (a.sum() + (b * math.inf).sum()).backward()
     with pytest.raises(FloatingPointError, match=r"\['params'\]\[1\]"):
         opt.step()
-    a.grad = b.grad = None
+    if kept:
+        b.grad = None
+        a.grad.zero_()
+    else:
+        a.grad = b.grad = None
     a.sum().backward()
     opt.step()  # b has no gradient now: nothing non-finite is left to report
     assert torch.isfinite(a).all() and not torch.equal(a.detach(), torch.ones(3))

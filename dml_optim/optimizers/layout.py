@@ -311,9 +311,9 @@ class LayoutMixin:
             return active  # (one op: every gradient gathered, every None slot zeroed)
         if foreign:
             flat.gather_grads(foreign)
-        # slots of None gradients may hold an old gradient (inf included): clipping and masked updates read them;
-        # torch's fused kernel of a plain step reads the runs with a gradient only
-        if active is not None and not (fused and in_place):
+        # slots of None gradients may hold an old gradient (inf included): clipping, masked updates and the
+        # nonfinite checks read them; torch's fused kernel of a plain step reads the runs with a gradient only
+        if active is not None and not (fused and in_place and group["nonfinite"] == "propagate"):
             for first, stop in _runs(counter.inactive()):
                 a, b = flat.segment(first, stop)
                 flat.ensure_grad()[a:b].zero_()
