@@ -317,6 +317,18 @@ def _without_repeat(opt):
     return opt
 
 
+def _repeating_and_not(name, shapes, checks):
+    """Two copies of the same parameters and an optimizer ``name`` over each, with ``checks``; the second
+    never repeats a step (it plans every step from scratch): (params, optimizers)."""
+    values = _values(shapes)
+    params = [[torch.nn.Parameter(v.clone()) for v in values] for _ in range(2)]
+    opts = [TWINS[name][0](ps) for ps in params]
+    for opt in opts:
+        opt.checks = checks
+    _without_repeat(opts[1])
+    return params, opts
+
+
 def _loop(opts, params, step, events):
     """One training-loop step for every optimizer: our zero_grad (gradient views kept), gradients
     written in place as autograd accumulates, then whatever ``events`` does at this step."""
@@ -425,13 +437,7 @@ def test_the_repeated_in_place_step_equals_the_full_path_under_every_change(name
     through a scheduler, gradient views and back, a gradient written into, freezing, a reload and re-bound
     values."""
     shapes = [(128, 128), (BIG,), (64, 256), (BIG + 8,)]
-    make = TWINS[name][0]
-    values = _values(shapes)
-    params = [[torch.nn.Parameter(v.clone()) for v in values] for _ in range(2)]
-    opts = [make(ps) for ps in params]
-    for opt in opts:
-        opt.checks = checks
-    _without_repeat(opts[1])
+    params, opts = _repeating_and_not(name, shapes, checks)
     read_again = []
     real = FlatOptimizer._reads_again
 
@@ -487,13 +493,7 @@ def test_parameters_left_without_a_gradient_repeat_and_are_not_zeroed_each_step(
     elements) pass a step, before) nor plans from scratch (the repeat checks that they are still ``None``),
     bit for bit equal to an optimizer that never repeats, through a gradient coming back and a scheduler."""
     shapes = [(32, 16), (600,), (40,), (24,)]
-    make = TWINS[name][0]
-    values = _values(shapes)
-    params = [[torch.nn.Parameter(v.clone()) for v in values] for _ in range(2)]
-    opts = [make(ps) for ps in params]
-    for opt in opts:
-        opt.checks = checks
-    _without_repeat(opts[1])
+    params, opts = _repeating_and_not(name, shapes, checks)
     full = []
     prepare = opts[0]._prepare
     opts[0]._prepare = lambda *args, **kwargs: (full.append(step), prepare(*args, **kwargs))[1]
