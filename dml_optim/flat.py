@@ -223,8 +223,9 @@ class FlatBuffer:
         on the device, built the first time a step needs it (a masked step, see the engine) and kept
         until the layout changes (4 bytes per element)."""
         if self._owner is None:
-            lengths = torch.tensor([b - a for a, b in zip(self.offsets, self.offsets[1:])], dtype=torch.int64)
-            index = torch.repeat_interleave(torch.arange(len(self.sizes), dtype=torch.int32), lengths)
+            lengths = torch.tensor([b - a for a, b in zip(self.offsets, self.offsets[1:])], dtype=torch.int64,
+                                   device="cpu")  # (host work: not on a default device a caller set)
+            index = torch.repeat_interleave(torch.arange(len(self.sizes), dtype=torch.int32, device="cpu"), lengths)
             self._owner = index.to(self.device)  # (repeat_interleave falls back to the CPU on DirectML: built there)
         return self._owner
 

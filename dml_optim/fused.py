@@ -175,9 +175,10 @@ def remember_read(flat) -> None:
 
 
 class _Cache:
-    """Per buffer: float32 step-number tensors (0-d views of one tensor: as many as there are parameters,
-    the most distinct counts a step can have) and per-parameter views of the states, kept while the
-    layout and the state tensors stay the same."""
+    """Per buffer: the step numbers torch's kernels read (float32 0-d tensors, made 256 counts at a time and
+    only read), the kernels' keywords per count, per-parameter views of the states and the argument lists of a
+    whole-buffer call, kept while the layout and the state tensors stay the same; the range-checked blocks of
+    counts and the gradients the last step read in place."""
 
     __slots__ = ("offsets", "numbers", "kernels", "states", "whole", "checked", "read")
 
@@ -206,7 +207,8 @@ class _Cache:
                 self.numbers.clear()
             first = block << 8
             with _disable_current_modes():  # (host bookkeeping, not the step's work: no op counter sees it)
-                views = self.numbers[block] = torch.arange(first + 1, first + 257, dtype=torch.float32).unbind(0)
+                views = self.numbers[block] = torch.arange(first + 1, first + 257, dtype=torch.float32,
+                                                           device="cpu").unbind(0)
         return views
 
     def kernel(self, cls, group: dict[str, Any], settings, count: int) -> tuple[str, dict[str, Any], tuple]:

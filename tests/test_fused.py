@@ -309,6 +309,22 @@ def test_a_count_the_kernel_cannot_take_runs_the_rule():
     assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_a_step_under_another_default_device_equals_torch(name):
+    """A step taken while a caller's default device is another one (``with torch.device(...)``,
+    ``torch.set_default_device``: here "meta") makes its host tensors (step numbers, range checks) on the
+    CPU, as torch.optim's fused step does: the same result as torch's twin, not an error."""
+    shapes = [(7, 5), (BIG + 3,), (1,)]
+    ours, opt, theirs, twin = _pair(name, shapes)
+    for step in range(3):
+        for p, q, g in zip(ours, theirs, _grads(shapes, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        with torch.device("meta"):
+            opt.step()
+        twin.step()
+        _assert_twin(ours, theirs, f"step {step}")
+
+
 # -- the steady-state repeat ---------------------------------------------------------------------------
 
 

@@ -348,7 +348,7 @@ class EngineMixin:
 
     def _counts_fit(self, group, first: int, n: int, limit: float, rule: bool) -> bool:
         cls = type(self)
-        counts = torch.arange(first, first + n, dtype=torch.float64)
+        counts = torch.arange(first, first + n, dtype=torch.float64, device="cpu")  # (not a default device set)
         worst = []
         if rule:
             worst += [v.abs().max().item() if isinstance(v, torch.Tensor) else abs(v)
