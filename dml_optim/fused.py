@@ -217,10 +217,12 @@ class _Cache:
         most of a step's counts were met before."""
         if self.kernels[0] is not settings or len(self.kernels[1]) >= 4096:
             self.kernels = (settings, {})
-        found = self.kernels[1].get(count)
+        vary = cls.fused_counts  # (the counts whose keywords are equal share an entry: ``fused_counts``)
+        like = count if vary == "each" else 0 if vary == "none" else min(count, 1)
+        found = self.kernels[1].get(like)
         if found is None:
             op, kwargs = cls.fused_kernel(group, count)
-            found = self.kernels[1][count] = (op, kwargs, (op, *kwargs.items()))
+            found = self.kernels[1][like] = (op, kwargs, (op, *kwargs.items()))
         return found
 
     def whole_arguments(self, flat, names: tuple[str, ...], op: str) -> list:
