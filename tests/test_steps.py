@@ -186,3 +186,32 @@ def test_interleaved_counts_are_stepped_in_place_by_the_fused_backend(skip_first
                 assert float(ours_state[k][name]) == float(value)
             else:
                 torch.testing.assert_close(ours_state[k][name], value, rtol=0, atol=0)
+
+
+def test_per_parameter_counts_give_the_classes_a_split_would():
+    """Under changing patterns the counts are kept per parameter (one assignment a split, one pass an
+    advance); read as classes they are the maximal runs of equal count and activity, with the counts a
+    plain tally gives, through splits, advances, all-active steps and reads at any point."""
+    gen = torch.Generator().manual_seed(3)
+    n = 9
+    c = StepCounter(n)
+    tally = [0] * n
+    for step in range(40):
+        active = None if step % 7 == 3 else [bool(b) for b in torch.rand(n, generator=gen).lt(0.6).tolist()]
+        c.split(active)
+        flags = [True] * n if active is None else active
+        if step % 3 == 0:  # read as classes mid-way (converts the per-parameter form back)
+            expected, first = [], 0
+            for i in range(1, n + 1):
+                if i == n or (tally[i], flags[i]) != (tally[first], flags[first]):
+                    expected.append((first, i, tally[first], flags[first]))
+                    first = i
+            assert [(k.first, k.stop, k.count, k.active) for k in c.classes] == expected, step
+        runs, counts = c.active_runs()
+        assert [i for a, b in runs for i in range(a, b)] == [i for i in range(n) if flags[i]]
+        assert all(tally[i] == k for (a, b), k in zip(runs, counts) for i in range(a, b))
+        assert c.active_params() == ([i for i in range(n) if flags[i]], [tally[i] for i in range(n) if flags[i]])
+        assert c.inactive() == [i for i in range(n) if not flags[i]]
+        c.advance(gated=False)
+        tally = [t + f for t, f in zip(tally, flags)]
+        assert c.counts() == tally and c.known and c.max_count() == max(tally)
