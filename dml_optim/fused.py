@@ -185,7 +185,7 @@ class _Cache:
     def __init__(self, flat):
         self.offsets = flat.offsets
         self.numbers: dict[int, tuple[torch.Tensor, ...]] = {}  # blocks of step-number tensors (:meth:`steps`)
-        self.kernels: tuple = (None, {})  # (settings token, {count: (kernel, keyword arguments)}): :meth:`kernel`
+        self.kernels: tuple = (None, {})  # (settings token, {class of counts: (kernel, keywords, key)}): :meth:`kernel`
         self.states: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.whole: tuple | None = None  # (operands, {op: argument lists}) of a step of the whole buffer
         self.checked: tuple = (None, set())  # (settings token, blocks of counts whose scalars passed the range check)
