@@ -424,8 +424,8 @@ class FlatBuffer:
         if mode == "refs" and self.countable:
             return True
         params, refs = self.params, self.grad_refs
-        views = [ref() if ref is not None else None for ref in refs] if mode != "fast" else None
         if mode != "fast":
+            views = [ref() if ref is not None else None for ref in refs]
             with _FAST_ATTRIBUTES():  # nn.Parameter's __torch_function__ lookup halves these passes' speed
                 if not all(map(operator.is_, views, map(_GRAD, params))):
                     return False

@@ -217,8 +217,7 @@ class _Cache:
         most of a step's counts were met before."""
         if self.kernels[0] is not settings or len(self.kernels[1]) >= 4096:
             self.kernels = (settings, {})
-        vary = cls.fused_counts  # (the counts whose keywords are equal share an entry: ``fused_counts``)
-        like = count if vary == "each" else 0 if vary == "none" else min(count, 1)
+        like = _alike(cls, count)
         found = self.kernels[1].get(like)
         if found is None:
             op, kwargs = cls.fused_kernel(group, count)
@@ -244,6 +243,13 @@ class _Cache:
         if cached is None or cached[0] is not tensor:
             cached = self.states[name] = (tensor, flat.views(tensor))
         return cached[1]
+
+
+def _alike(cls, count: int) -> int:
+    """The class of ``count`` among counts whose kernel keywords are equal (``cls.fused_counts``): every count
+    (``"none"``), the first step apart (``"first"``), or each count its own (``"each"``)."""
+    vary = cls.fused_counts
+    return count if vary == "each" else 0 if vary == "none" else min(count, 1)
 
 
 def _cache(flat) -> _Cache:
@@ -281,8 +287,7 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None, members: list, co
     # the step tensor of each distinct count, and the call its count belongs to
     distinct = list(dict.fromkeys(counts))
     steps = dict(zip(distinct, cache.steps(distinct)))
-    vary = cls.fused_counts  # which counts share a call's keyword arguments: all, all but 0, none
-    if vary == "none" or vary == "first" and 0 not in steps:  # (AdamW, Adagrad: one call whatever the counts)
+    if _alike(cls, min(distinct)) == _alike(cls, max(distinct)):  # (the classes grow with the count) one call
         return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, flat.settings, counts[0]), members,
                                                    list(map(steps.__getitem__, counts)))])
     kernels = {n: cache.kernel(cls, group, flat.settings, n) for n in distinct}

@@ -302,7 +302,8 @@ class LayoutMixin:
                     for i, a in enumerate(active):
                         permuted[where[i]] = a
                     active = permuted
-        if fused and foreign and in_place and group["nonfinite"] == "propagate":
+        plain = fused and in_place and group["nonfinite"] == "propagate"  # (torch's kernel, ungated, no checks)
+        if plain and foreign:
             grads = list(map(_GRAD, flat.params))
             if reads_in_place(flat, grads, active):
                 flat.pending = grads  # (read by this step's kernels; p.grad stays the caller's, as in torch.optim)
@@ -313,7 +314,7 @@ class LayoutMixin:
             flat.gather_grads(foreign)
         # slots of None gradients may hold an old gradient (inf included): clipping, masked updates and the
         # nonfinite checks read them; torch's fused kernel of a plain step reads the runs with a gradient only
-        if active is not None and not (fused and in_place and group["nonfinite"] == "propagate"):
+        if active is not None and not plain:
             for first, stop in _runs(counter.inactive()):
                 a, b = flat.segment(first, stop)
                 flat.ensure_grad()[a:b].zero_()
