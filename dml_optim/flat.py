@@ -337,16 +337,17 @@ class FlatBuffer:
                 p.grad = self.grad_view(i)
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """Zero the gradients in one op (or set them to ``None``).
+        """Zero the gradients in one op, or set them to ``None`` with none.
 
         Like torch.optim, a gradient that is ``None`` stays ``None``; a foreign
         gradient tensor is re-pointed at its zeroed view of the flat buffer.
+        ``set_to_none`` leaves the buffer as it is: a step, clipping or unscaling
+        reads it only after gathering the new gradients and zeroing the slots of
+        the parameters left without one (the optimizer's ``_bind``).
         """
         if set_to_none:
             for p in self.params:
                 p.grad = None
-            if self.grad is not None:
-                self.grad.zero_()  # stale slots must not reach a non-finite check
             return
         grads = list(map(_GRAD, self.params))
         if self.staged:

@@ -219,6 +219,41 @@ def test_zero_grad_is_one_op_and_keeps_views():
         assert not p.grad.any()
 
 
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_zero_grad_set_to_none_runs_no_op_and_old_slots_do_not_reach_the_next_step(backend):
+    """``zero_grad(set_to_none=True)`` writes nothing, as torch.optim's (the flat gradient buffer keeps the old
+    values); a parameter that then gets no gradient is neither updated nor counted by clipping, however large
+    its old gradient was."""
+    ours_m, ref_m = _model(), _model()
+    ours = dml_optim.Adam(ours_m.parameters(), lr=0.01, epsilon=0.0, backend=backend)
+    ref = torch.optim.Adam(ref_m.parameters(), lr=0.01, eps=0.0, foreach=False)
+    for step in range(2):  # (the second step's gradients accumulate in their views of the flat buffer)
+        ours.zero_grad()
+        ref.zero_grad()
+        _loss(ours_m, step).backward()
+        _loss(ref_m, step).backward()
+        ours.step()
+        ref.step()
+    first = next(ours_m.parameters())
+    lo, hi = _flat_range(ours, "grad")
+    assert lo <= first.grad.data_ptr() < hi
+    first.grad.fill_(1e30)  # (the slot's old value after the zero_grad below)
+    counter = OpCounter()
+    with counter:
+        ours.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    assert counter.ops == Counter()
+    assert all(p.grad is None for p in ours_m.parameters())
+    for model in (ours_m, ref_m):
+        _loss(model, 2).backward()
+        next(model.parameters()).grad = None
+    norm = dml_optim.clip_grad_norm_(ours, 1.0)
+    assert_close(norm, torch.nn.utils.clip_grad_norm_(ref_m.parameters(), 1.0))
+    ours.step()
+    ref.step()
+    _assert_params_equal(ours_m, ref_m)
+
+
 def test_backward_accumulates_into_the_flat_gradient_buffer():
     model = _model()
     opt = dml_optim.Adam(model.parameters(), lr=0.01)

@@ -417,8 +417,10 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         accumulates in place and nothing is allocated per step.  As in
         torch.optim, a ``None`` gradient stays ``None``.  With
         ``set_to_none=True`` gradients become ``None`` (and a parameter that
-        gets no gradient before the next step is not updated); the next step
-        gathers the new gradients into the flat buffer (one copy each).
+        gets no gradient before the next step is not updated) and no op runs,
+        as in torch.optim; the next step reads the new gradients where they
+        are (torch's fused kernel, on the CPU) or gathers them into the flat
+        buffer (one copy each).
         Frozen (unpacked) parameters' gradients are handled as torch.optim would.
         """
         if not set_to_none:
