@@ -69,6 +69,10 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _KIND = operator.attrgetter("dtype", "device", "layout")
 _IS_NONE = partial(operator.is_, None)
+#: ``zero_grad()`` zeroes the whole flat gradient buffer in one op, or, when the parameters without a gradient
+#: (frozen after the optimizer was built) hold at least half of it, only the runs of those with one, up to this
+#: many ops (torch.optim zeroes the gradients that exist; a frozen backbone's slots are not written every step).
+ZERO_RUNS = 4
 #: How many tensors (and storage objects) hold a storage: ``torch._C._storage_Use_Count`` (torch >= 2.0), or
 #: None where this torch has none (``checks="refs"`` then scans every parameter, as ``"full"`` does).
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
@@ -339,6 +343,10 @@ class FlatBuffer:
     def zero_grad(self, set_to_none: bool) -> None:
         """Zero the gradients in one op, or set them to ``None`` with none.
 
+        Where the parameters without a gradient (frozen after the optimizer was
+        built) hold at least half of the buffer, only the runs of those with one
+        are zeroed, one op each, up to :data:`ZERO_RUNS` of them.
+
         Like torch.optim, a gradient that is ``None`` stays ``None``; a foreign
         gradient tensor is re-pointed at its zeroed view of the flat buffer.
         ``set_to_none`` leaves the buffer as it is: a step, clipping or unscaling
@@ -359,7 +367,13 @@ class FlatBuffer:
             if all(g is None for g in grads):
                 return
             self.ensure_grad()
-        self.grad.zero_()
+        runs = _runs([i for i, g in enumerate(grads) if g is not None]) if any(map(_IS_NONE, grads)) else ()
+        spans = [self.segment(first, stop) for first, stop in runs] if len(runs) <= ZERO_RUNS else ()
+        if spans and 2 * sum(b - a for a, b in spans) <= self.numel:
+            for a, b in spans:  # (the slots of parameters without a gradient stay as they are: whatever reads the
+                self.grad[a:b].zero_()  # buffer zeroes them first, the optimizer's _bind)
+        else:
+            self.grad.zero_()
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is not None and not self.holds_grad(i, g):  # a None gradient stays None, as in torch.optim
                 p.grad = self.grad_view(i)

@@ -39,6 +39,7 @@ from torch import nn
 import dml_optim
 from dml_optim import backends
 from dml_optim.opcount import OpRecorder, count_ops
+from introspect import buffers
 
 # -- optimizer pairs (ours, torch.optim twin written by hand) ---------------------------------
 
@@ -305,6 +306,54 @@ def test_gradual_unfreezing_equals_torch_at_every_step(pair):
     assert all(p.requires_grad for p in model.parameters())
     (info,) = opt.flat_buffers()
     assert info.numel == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+def test_freezing_after_construction_zero_grad_writes_only_the_gradients_that_exist(pair, backend):
+    """A backbone frozen after the optimizer was built stays in its flat buffer without gradients; ``zero_grad()``
+    then zeroes only the runs of the parameters that have one (a frozen backbone's slots are not written every
+    step; torch.optim zeroes the gradients that exist), the old values left in the frozen slots reach no step or
+    clipping, and every step equals torch.optim's."""
+    d, layers = 32, 8
+    model = lora_model(d=d, layers=layers)
+    model.requires_grad_(True)
+    twin = copy.deepcopy(model)
+    opt, topt = pair.ours(list(model.parameters()), backend=backend), pair.theirs(list(twin.parameters()))
+    batches = iter(_batches(12, d, torch.float64))
+    for _ in range(2):
+        x, y = next(batches)
+        _train_step(model, opt, x, y)
+        _train_step(twin, topt, x, y)
+    for m in (model, twin):  # the backbone: every layer but the last two
+        for block in list(m)[:-2]:
+            block.requires_grad_(False)
+            for p in block.parameters():
+                p.grad = None
+    (info,) = buffers(opt)
+    order = [list(model.parameters())[i] for i in info.param_indices]
+    first = next(k for k, p in enumerate(order) if p.requires_grad)
+    assert all(p.requires_grad for p in order[first:])  # (the last two layers: one run at the end of the buffer)
+    lo = sum(p.numel() for p in order[:first])
+    assert 2 * lo > info.numel
+    for step in range(6):
+        grad = buffers(opt)[0].grad
+        grad[:lo].fill_(float("inf"))  # old values in the frozen slots: no step or norm may read them
+        with OpRecorder() as ops:
+            opt.zero_grad()
+        assert ops.counts() == {"aten::zero_": 1}, dict(ops.counts())
+        assert torch.isinf(grad[:lo]).all() and not grad[lo:].any()
+        topt.zero_grad()
+        x, y = next(batches)
+        for m in (model, twin):
+            _loss(m, x, y).backward()
+        norm = dml_optim.clip_grad_norm_(opt, 10.0) if step % 2 else None
+        if norm is not None:
+            assert_close(norm, torch.nn.utils.clip_grad_norm_(twin.parameters(), 10.0))
+        opt.step()
+        topt.step()
+        _assert_models_close(model, twin)
+        _assert_states_like_torch(opt, topt, pair)
 
 
 def test_unfrozen_parameter_gets_fresh_state_and_others_keep_theirs():

@@ -410,7 +410,8 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
     # -- zero_grad ------------------------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero every gradient with one op per flat buffer.
+        """Zero every gradient with one op per flat buffer (a buffer most of whose parameters have no
+        gradient, frozen after the optimizer was built: one per run of those with one, a few at most).
 
         Unlike torch.optim (whose default is ``set_to_none=True``), the default
         keeps each ``p.grad`` a view of the flat gradient buffer, so autograd
