@@ -212,7 +212,9 @@ def compiles(opt, group: dict[str, Any], flat) -> bool:
 
 def resolved_backend(opt, group: dict[str, Any], flat) -> str:
     """The backend ``flat`` runs with now (after any fallback; an invalid option: ``"eager"``,
-    the next step refuses it)."""
+    the next step refuses it).  ``"fused"`` is what its plain steps run: a step gated on a
+    ``GradScaler``'s ``found_inf`` and one at a count beyond :data:`dml_optim.fused.MAX_COUNT` (or whose
+    kernel scalars leave the dtype's range) run the rule as :func:`resolve` decides, eager or compiled."""
     if group["backend"] in ("auto", "fused") and fuses(opt, group, flat):
         return "fused"
     if group["backend"] not in BACKENDS or group["backend"] == "eager" or _compiled.fell_back(opt) is not None:
