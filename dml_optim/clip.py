@@ -4,20 +4,38 @@
 multiply per parameter tensor (the plugin has no ``_foreach_norm`` kernel),
 plus a ``stack``: ~320 dispatches for resnet50's 161 tensors.
 :func:`clip_grad_norm_` computes the same total norm from the optimizer's
-flat gradient buffers: one ``linalg_vector_norm`` per buffer, a handful of
-ops to combine them, one multiply per buffer, all DirectML-native, no host
+flat gradient buffers: a ``linalg_vector_norm`` per block of each buffer and
+one over the blocks' (as accurate as torch's norm of per-tensor norms), a
+handful of ops to combine them, one multiply per buffer, all DirectML-native, no host
 sync (unless ``error_if_nonfinite``).
 """
 
 from __future__ import annotations
 
-
-
 import torch
 
 from dml_optim.functional import check_hyperparameter
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "NORM_BLOCK"]
+
+#: A flat gradient buffer's norm is taken in blocks of this many elements, then over the blocks' norms: one
+#: float32 reduction over a whole model's buffer loses what small gradients add after large ones (16.7M
+#: N(0, 1) gradients, 2 cores: 6.5e-4 relative, where torch's norm of per-tensor norms is 1.2e-6).
+NORM_BLOCK = 1 << 12
+
+
+def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of a flat gradient buffer: the norm of its blocks' norms (:data:`NORM_BLOCK` elements
+    each) and of the elements after the last whole block (2 or 3 ops whatever the size; ``inf`` has no rounding
+    to lose: one)."""
+    rows = grad.numel() // NORM_BLOCK
+    if rows < 2 or norm_type == float("inf"):
+        return torch.linalg.vector_norm(grad, norm_type)
+    cut = rows * NORM_BLOCK
+    parts = torch.linalg.vector_norm(grad[:cut].view(rows, NORM_BLOCK), norm_type, dim=1)
+    if cut < grad.numel():
+        parts = torch.cat([parts, grad[cut:]])
+    return torch.linalg.vector_norm(parts, norm_type)
 
 
 @torch.no_grad()
@@ -55,7 +73,7 @@ def clip_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0, error_if
     if not flats:
         return torch.tensor(0.0)
     device = flats[0].device
-    norms = [torch.linalg.vector_norm(flat.grad, norm_type) for flat in flats]
+    norms = [_norm(flat.grad, norm_type) for flat in flats]
     if len(norms) == 1:
         total = norms[0]
     else:

@@ -25,11 +25,12 @@ block never holds two parameters.
 Bindings.  Between steps, code outside the optimizer can re-bind a parameter
 (``model.to()``, ``.half()``, ``p.data = t``) or its gradient (``p.grad = t``,
 ``model.zero_grad()``, a DDP bucket view).  :meth:`FlatBuffer.check` finds
-out, cheaply when nothing changed: two storage use counts per buffer for the
-default ``checks="refs"`` (O(1); the gradient views it hands out are held
-weakly, so a re-bound gradient releases its view and drops a count), those and
-two C-level passes over the parameters (gradient identities and data pointers)
-for ``checks="full"``, those and the first and last parameter for
+out, cheaply when nothing changed: two storage use counts per buffer (the
+gradient views it hands out are held weakly, so a re-bound gradient releases its
+view and drops a count) and two C-level passes over the parameters (gradient
+identities and data pointers) for the default ``checks="full"``, the counts
+alone for ``checks="refs"`` (O(1), blind to a re-binding while the caller holds
+the old tensor), the counts and the first and last parameter for
 ``checks="fast"``.  Only when something changed does
 :meth:`FlatBuffer.diagnose` look at each parameter.  Parameters that are distributed tensors (``DTensor``, FSDP2) are
 *staged*: the buffer is a working copy of their local shards, copied in and
@@ -135,7 +136,7 @@ class FlatBuffer:
     """
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
-                 "grad_refs", "uses", "data_uses", "absent", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
+                 "grad_refs", "uses", "data_uses", "absent", "grad_ids", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
                  "_owner", "settings", "eager_s", "scalars", "fused", "pending", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
@@ -158,6 +159,7 @@ class FlatBuffer:
         self.uses: tuple[int, int] | None = None
         self.data_uses: tuple[torch.Tensor, int] | None = None  # (data, its storage's use count) when all were bound
         self.absent: tuple = ()  # the parameters without a gradient when ``uses`` were recorded
+        self.grad_ids: list[int] | None = None  # ``id`` of each ``p.grad`` (a view, or None) then
         self._storages: tuple = ()
         self.countable = all(type(p).grad is _TENSOR_GRAD and type(p).data is _TENSOR_DATA for p in self.params)
         self.ptrs = [] if self.staged else list(map(_DATA_PTR, self.params))
@@ -180,7 +182,7 @@ class FlatBuffer:
     #: Per-process bookkeeping a copy starts without: weak references to the gradient views handed out
     #: (a copy's parameters hold copies of them), the storage use counts and their storage objects, and
     #: the fused backend's cache (step tensors, views, the gradients read last).
-    _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "_storages": (), "fused": None, "pending": None}
+    _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "grad_ids": None, "_storages": (), "fused": None, "pending": None}
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT
@@ -412,6 +414,7 @@ class FlatBuffer:
             ours = self._grads_ours()
             bound = any(ours) and all(o or g is None for o, g in zip(ours, grads))
             self.absent = tuple(p for p, g in zip(self.params, grads) if g is None) if bound else ()
+            self.grad_ids = list(map(id, grads)) if bound else None
         self.uses = self._use_counts() if bound else None
 
     def check(self, mode: str) -> bool:
@@ -425,9 +428,11 @@ class FlatBuffer:
         parameter by parameter.  ``"refs"`` stops there: O(1) whatever the number of parameters
         (a buffer of parameters whose class overrides ``.grad`` or ``.data`` in Python is checked as
         ``"full"``: such an attribute can answer what no count shows).
-        ``"full"`` also compares every parameter's gradient identity and data pointer (two C-level
-        passes), which also sees a parameter re-bound to another place in the same buffer with nothing
-        else changing (``p1.data = p2.data``); ``"fast"`` compares the first and last parameter's.
+        ``"full"`` (the default) also compares every parameter's gradient identity (the ids recorded with
+        the counts) and data pointer (two C-level passes), which sees what no count shows: a re-binding
+        while the caller holds the old tensor (``grads = [p.grad ...]`` kept, then ``p.grad = None``;
+        ``backup = p.detach()``, then ``p.data = t``) and a parameter re-bound to another place in the
+        same buffer (``p1.data = p2.data``); ``"fast"`` compares the first and last parameter's.
         Staged buffers always re-read their shards (never in the recorded state: diagnosed every step).
         """
         if self.uses is None or self._use_counts() != self.uses:
@@ -439,10 +444,9 @@ class FlatBuffer:
         if mode == "refs" and self.countable:
             return True
         params, refs = self.params, self.grad_refs
-        if mode != "fast":
-            views = [ref() if ref is not None else None for ref in refs]
+        if mode != "fast":  # (an id of a view that died could be reused, but its death dropped the count)
             with _FAST_ATTRIBUTES():  # nn.Parameter's __torch_function__ lookup halves these passes' speed
-                if not all(map(operator.is_, views, map(_GRAD, params))):
+                if list(map(id, map(_GRAD, params))) != self.grad_ids:
                     return False
                 return list(map(_DATA_PTR, params)) == self.ptrs
         ends = (0, len(params) - 1)

@@ -50,8 +50,9 @@ BACKENDS = ("auto", "eager", "compiled", "fused")
 #: ``nonfinite=``: what a step does with inf/NaN gradients.
 NONFINITE_MODES = ("propagate", "skip", "raise")
 #: ``checks=``: how a step finds out whether parameters or gradients were re-bound (``FlatBuffer.check``):
-#: storage use counts (O(1)), those and every parameter, or those and the first and last parameter.
-CHECK_MODES = ("refs", "full", "fast")
+#: storage use counts and every parameter (the default), the counts alone (O(1)), or the counts and the first
+#: and last parameter.
+CHECK_MODES = ("full", "refs", "fast")
 #: ``pack_via=``: where packing copies go through ("auto": host memory off the CPU, bounded peak).
 PACK_MODES = ("auto", "device", "host")
 #: Parameter dtypes the optimizers accept.
@@ -88,7 +89,7 @@ class OptimizerOptions(TypedDict, total=False):
     (None, 8 or 4: block-quantized states),
     ``compute_dtype``, ``master_weights``, ``kahan``, ``nonfinite``
     (``"propagate"``, ``"skip"``, ``"raise"``), ``capturable``.  Optimizer-wide:
-    ``atomic`` (roll a failed step back), ``checks`` (``"refs"``, ``"full"``, ``"fast"``),
+    ``atomic`` (roll a failed step back), ``checks`` (``"full"``, ``"refs"``, ``"fast"``),
     ``pack_via`` (``"auto"``, ``"device"``, ``"host"``).
     """
 

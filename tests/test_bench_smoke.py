@@ -111,7 +111,7 @@ def test_quick_benchmark_measures_every_row(tmp_path, monkeypatch, capsys):
 
     assert [h["optimizer"] for h in doc["host_work"]] == list(CHOSEN)
     for h in doc["host_work"]:  # one flat buffer: 2,000 tensors dispatch the ops of one; the rest is host work
-        assert (h["backend"], h["checks"]) == ("fused", "refs"), h  # the defaults: auto (fused here), checks="refs"
+        assert (h["backend"], h["checks"]) == ("fused", "full"), h  # the defaults: auto (fused here), checks="full"
         assert h["ops_many_refs"] == h["ops_many_full"] == h["ops_many_fast"] == h["ops_one"] <= 3, h
         assert h["eager_ops_many"] == h["eager_ops_one"] <= 12, h
         assert all(h[k] > 0 for k in ("us_many_refs", "us_many_full", "us_many_fast", "us_one", "eager_us_many",
@@ -180,10 +180,10 @@ def test_a_failing_measurement_is_recorded_and_the_run_goes_on(tmp_path):
     (h,) = doc["host_work"]
     assert h["eager_ops_many"] == h["eager_ops_one"] == _momentum_ops()  # the eager chain: the ops of one buffer
     assert h["ops_many_refs"] == h["ops_many_full"] == h["ops_many_fast"] == h["ops_one"]
-    # one host target, the default's (checks="refs", the default backend); full and fast are reported, not targets
+    # one host target, the default's (checks="full", the default backend); refs and fast are reported, not targets
     (target,) = [t for t in doc["targets"] if t["target"].startswith("host work")]
-    assert target["target"] == "host work, Momentum: 2000x16 <= 3x 1x32000 (checks=refs, the default)"
-    assert target["status"] in ("PASS", "MISS") and target["measured"] == h["ratio_refs"]
+    assert target["target"] == "host work, Momentum: 2000x16 <= 3x 1x32000 (checks=full, the default)"
+    assert target["status"] in ("PASS", "MISS") and target["measured"] == h["ratio_full"]
     assert target["dml_backend"] == h["backend"] == "fused"
     assert len(written) == 3 and json.loads(written[0])["complete"] is False  # after each task, then at the end
 
@@ -775,10 +775,11 @@ def test_a_cpu_speed_target_compares_the_fused_row():
 
 
 def host_row(optimizer: str, *, refs: float, full: float, fast: float, one: float = 10.0, eager: float = 20.0,
-             eager_one: float = 15.0) -> dict:
-    """A host row as the row writes it today, with these microseconds per step (the default backend: fused)."""
+             eager_one: float = 15.0, checks: str = "full") -> dict:
+    """A host row as the row writes it today (``checks="refs"``: as documents of 2026-11 recorded it, the default
+    then), with these microseconds per step (the default backend: fused)."""
     us = {"refs": refs, "full": full, "fast": fast}
-    row = {"optimizer": optimizer, "backend": "fused", "checks": "refs", "threads": 1, "limit": 3.0}
+    row = {"optimizer": optimizer, "backend": "fused", "checks": checks, "threads": 1, "limit": 3.0}
     row.update({f"us_many_{c}": v for c, v in us.items()}, us_one=one)
     row.update({f"ratio_{c}": v / one for c, v in us.items()})
     row.update({f"ops_many_{c}": 2 for c in us}, ops_one=2, eager_us_many=eager, eager_us_one=eager_one,
@@ -786,10 +787,20 @@ def host_row(optimizer: str, *, refs: float, full: float, fast: float, one: floa
     return row
 
 
-def test_the_host_target_is_the_defaults_and_full_and_fast_are_reported():
+def test_the_host_target_is_the_defaults_and_the_other_modes_are_reported():
     from dml_optim.benchmark.report import host_table
 
-    new = host_row("adamw", refs=12.0, full=80.0, fast=13.0)
+    today = host_row("adamw", refs=12.0, full=20.0, fast=13.0)
+    doc = {"device": "cpu", "results": [], "references": [], "host_work": [today]}
+    (target,) = [t for t in benchmark.check_targets(doc) if t["target"].startswith("host work")]
+    assert (target["target"], target["status"], target["measured"], target["dml_backend"]) == (
+        "host work, AdamW: 2000x16 <= 3x 1x32000 (checks=full, the default)", "PASS", 2.0, "fused")
+    header, _, line = host_table(doc)
+    assert header.startswith("| host work (cpu, 1 thread) | backend (auto) | 2000x16 us: checks=full (default) / refs / fast |"
+                             " 1x32000 us | full / one | refs / one | fast / one | eager 2000x16 / 1x32000 us (checks=full) |")
+    assert line == "| adamw | fused | 20 / 12 / 13 | 10 | 2.00x | 1.20x | 1.30x | 20 / 15 | 1.33x | 2 / 2, 8 / 8 |"
+    # a row of 2026-11, when "refs" was the default: its target and its table, as that document says
+    new = host_row("adamw", refs=12.0, full=80.0, fast=13.0, checks="refs")
     old = {"optimizer": "adam", "backend": "eager", "threads": 1, "limit": 3.0, "us_many_full": 50.0, "us_many_fast": 11.0,
            "us_one": 10.0, "ratio_full": 5.0, "ratio_fast": 1.1, "ops_many_full": 7, "ops_many_fast": 7, "ops_one": 7,
            "samples": 9}

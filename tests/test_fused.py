@@ -30,7 +30,7 @@ BIG = 1 << 14  # a parameter this large is read in place (fused.LIST_MIN_ELEMENT
 
 #: ours and torch's fused twin, same hyperparameters (the twins of docs/design.md §2)
 TWINS = {
-    "adamw": (lambda p: dml_optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adamw": (lambda p, **kw: dml_optim.AdamW(p, lr=1e-2, weight_decay=0.1, **kw),
               lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)),
     "adam": (lambda p: dml_optim.Adam(p, lr=1e-2, epsilon=0.0, weight_decay=0.01),
              lambda p: torch.optim.Adam(p, lr=1e-2, eps=0.0, weight_decay=0.01, fused=True)),
@@ -48,12 +48,12 @@ def _values(shapes, seed=0, dtype=torch.float32):
     return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
 
 
-def _pair(name, shapes, dtype=torch.float32):
+def _pair(name, shapes, dtype=torch.float32, **options):
     values = _values(shapes, dtype=dtype)
     ours = [torch.nn.Parameter(v.clone()) for v in values]
     theirs = [torch.nn.Parameter(v.clone()) for v in values]
     make_ours, make_theirs = TWINS[name]
-    return ours, make_ours(ours), theirs, make_theirs(theirs)
+    return ours, make_ours(ours, **options), theirs, make_theirs(theirs)
 
 
 def _grads(shapes, step, dtype=torch.float32):
@@ -639,11 +639,14 @@ REBINDINGS = {
 }
 
 
+@pytest.mark.parametrize("checks", ["full", "refs"])
 @pytest.mark.parametrize("rebind", sorted(REBINDINGS))
-def test_refs_sees_every_rebinding_and_the_steps_stay_torchs(rebind):
+def test_the_checks_see_every_rebinding_and_the_steps_stay_torchs(rebind, checks):
+    """Re-bindings made while nothing else holds the old tensors: the default ``"full"`` and the counts alone
+    (``"refs"``) see every one."""
     shapes = [(8, 4), (50,), (3,)]
-    ours, opt, theirs, twin = _pair("adamw", shapes)
-    assert opt.checks == "refs"
+    ours, opt, theirs, twin = _pair("adamw", shapes, checks=checks)
+    assert opt.checks == checks
     for step in range(8):
         opt.zero_grad()
         twin.zero_grad()
@@ -662,31 +665,32 @@ def test_refs_sees_every_rebinding_and_the_steps_stay_torchs(rebind):
         _assert_twin(ours, theirs, f"{rebind} step {step}")
 
 
-def test_refs_is_o1_a_steady_step_reads_no_parameter():
-    """The default check reads two use counts per buffer, no parameter: a step over 2,000 parameters
-    does not call ``Tensor.data_ptr`` or read ``.grad`` of any of them."""
+@pytest.mark.parametrize("checks", ["refs", "full"])
+def test_refs_is_o1_a_steady_step_reads_no_parameter(checks, monkeypatch):
+    """``checks="refs"`` reads two use counts per buffer, no parameter: a step over 2,000 parameters reads
+    no data pointer and no ``.grad`` of any of them (the default ``"full"`` reads each once)."""
+    from dml_optim import flat as flat_module
+
     ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(2000)]
-    opt = dml_optim.SGD(ps, lr=0.1, momentum=0.9)
+    opt = dml_optim.SGD(ps, lr=0.1, momentum=0.9, checks=checks)
     for p in ps:
         p.grad = torch.ones(4)
     opt.step()
     opt.zero_grad()
     opt.step()
-    flat = opt._layout[0].buffers[0]
-    assert flat.check("refs")
-    reads = []
-    real = torch.Tensor.data_ptr
+    assert opt._layout[0].buffers[0].check(checks)
+    reads = {"data_ptr": 0, "grad": 0}
 
-    def counting(self):
-        reads.append(1)
-        return real(self)
+    def counting(name, real):
+        def read(t):
+            reads[name] += 1
+            return real(t)
+        return read
 
-    torch.Tensor.data_ptr = counting
-    try:
-        opt.step()
-    finally:
-        torch.Tensor.data_ptr = real
-    assert reads == []
+    monkeypatch.setattr(flat_module, "_DATA_PTR", counting("data_ptr", flat_module._DATA_PTR))
+    monkeypatch.setattr(flat_module, "_GRAD", counting("grad", flat_module._GRAD))
+    opt.step()
+    assert reads == ({"data_ptr": 0, "grad": 0} if checks == "refs" else {"data_ptr": 2000, "grad": 2000})
 
 
 def test_full_also_sees_a_parameter_rebound_inside_its_own_buffer():
@@ -708,9 +712,9 @@ def test_full_also_sees_a_parameter_rebound_inside_its_own_buffer():
         assert flat.check(checks) is (checks == "refs")
 
 
-def test_the_default_is_refs_and_bad_modes_are_refused():
+def test_the_default_is_full_and_bad_modes_are_refused():
     p = torch.nn.Parameter(torch.randn(3))
-    assert dml_optim.AdamW([p]).checks == "refs"
+    assert dml_optim.AdamW([p]).checks == "full"
     with pytest.raises(ValueError, match="checks"):
         dml_optim.AdamW([p], checks="none")
 

@@ -243,13 +243,17 @@ def _host_note(doc: dict) -> list[str]:
                 "difference is what the host does per parameter; `checks=\"fast\"` compares only the first and last",
                 "parameter of each buffer, see [Options](#options)), the memory peak while an optimizer is built",
                 "(resident set: approximate), and 12 compiled instances alive at once:"]
+    default = doc["host_work"][0]["checks"]
+    modes = {"full": "two storage use counts per buffer and every parameter's gradient and data pointer",
+             "refs": "two storage use counts per buffer, alone",
+             "fast": "the two counts and the first and last parameter of each buffer"}
+    described = [f"`\"{default}\"` (the default, the target's: {modes[default]})"] + [
+        f"`\"{m}\"` ({modes[m]})" for m in report.host_modes(default)[1:]]
     return [_fill("Host work per parameter (one thread: the same elements as 2,000 tensors or as one, so the difference "
                   "is what the host does per parameter), with the default backend (what `auto` ran) and each `checks` "
-                  "mode: `\"refs\"` (the default, the target's: two storage use counts per buffer), `\"full\"` (every "
-                  "parameter's gradient and data pointer) and `\"fast\"` (the first and last parameter of each buffer), "
-                  "see [Options](#options); beside them the eager op chain that DirectML runs, with the default checks. "
-                  "Then the memory peak while an optimizer is built (resident set: approximate), and 12 compiled "
-                  "instances alive at once:")]
+                  f"mode: {', '.join(described[:-1])} and {described[-1]}, see [Options](#options); beside them the "
+                  "eager op chain that DirectML runs, with the default checks. Then the memory peak while an optimizer "
+                  "is built (resident set: approximate), and 12 compiled instances alive at once:")]
 
 
 def _auto_note(cpu: dict) -> list[str]:

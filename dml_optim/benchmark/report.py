@@ -140,10 +140,16 @@ def instances_table(doc: dict[str, Any]) -> list[str]:
                     str(r["graphs_compiled"])] for r in doc["instances"]], 2)
 
 
+def host_modes(default: str) -> tuple[str, ...]:
+    """The ``checks`` modes of a host row, the row's default (the target's) first."""
+    return (default, *(c for c in ("full", "refs", "fast") if c != default))
+
+
 def host_table(doc: dict[str, Any]) -> list[str]:
     """The host row: a step over 2,000 x 16 elements beside one over 1 x 32,000.  Today's rows: the default
-    backend (what ``auto`` ran) with ``checks`` refs (the default, the target's), full and fast, and the eager
-    chain (DirectML's) with the default checks; rows recorded before ``checks="refs"``: eager, full and fast."""
+    backend (what ``auto`` ran) with each ``checks`` mode, the row's default (the target's: ``"full"``; ``"refs"``
+    in documents of 2026-11) first, and the eager chain (DirectML's) with the default checks; rows recorded before
+    ``checks="refs"`` existed: eager, full and fast."""
     rows = doc["host_work"]
     if not rows:
         return []
@@ -153,16 +159,18 @@ def host_table(doc: dict[str, Any]) -> list[str]:
                       [[r["optimizer"], f"{r['us_many_full']:.0f}", f"{r['us_many_fast']:.0f}", f"{r['us_one']:.0f}",
                         f"{r['ratio_full']:.2f}x", f"{r['ratio_fast']:.2f}x",
                         f"{_f(r.get('ops_many_full'), 'd')} / {_f(r.get('ops_one'), 'd')}"] for r in rows], 1)
-    return _table(["host work (cpu, 1 thread)", "backend (auto)", "2000x16 us: checks=refs (default) / full / fast",
-                   "1x32000 us", "refs / one", "full / one", "fast / one", "eager 2000x16 / 1x32000 us (checks=refs)",
+    modes = host_modes(rows[0]["checks"])
+    return _table(["host work (cpu, 1 thread)", "backend (auto)",
+                   f"2000x16 us: checks={modes[0]} (default) / {' / '.join(modes[1:])}", "1x32000 us",
+                   *(f"{c} / one" for c in modes), f"eager 2000x16 / 1x32000 us (checks={modes[0]})",
                    "eager: 2000x16 / one", "ops/step: 2000x16 / 1x32000, eager"],
                   [[r["optimizer"], r.get("backend") or "n/a",
-                    " / ".join(_f(r.get(f"us_many_{c}"), ".0f") for c in ("refs", "full", "fast")),
+                    " / ".join(_f(r.get(f"us_many_{c}"), ".0f") for c in modes),
                     _f(r.get("us_one"), ".0f"),
-                    *(_f(r.get(f"ratio_{c}"), ".2f", "x") for c in ("refs", "full", "fast")),
+                    *(_f(r.get(f"ratio_{c}"), ".2f", "x") for c in modes),
                     f"{_f(r.get('eager_us_many'), '.0f')} / {_f(r.get('eager_us_one'), '.0f')}",
                     _f(r.get("eager_ratio"), ".2f", "x"),
-                    f"{_f(r.get('ops_many_refs'), 'd')} / {_f(r.get('ops_one'), 'd')}, "
+                    f"{_f(r.get(f'ops_many_{modes[0]}'), 'd')} / {_f(r.get('ops_one'), 'd')}, "
                     f"{_f(r.get('eager_ops_many'), 'd')} / {_f(r.get('eager_ops_one'), 'd')}"] for r in rows], 2)
 
 

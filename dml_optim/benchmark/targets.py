@@ -21,9 +21,10 @@ document names it (:func:`~dml_optim.benchmark.timing.reference_name`):
 "one-64m Adam >= 70% of the stream limit" (documents up to 2026-11-27 stored
 "... of the in-place add bandwidth", or the triad's).
 
-Host work: one target per optimizer, the default's (``checks="refs"`` with the
-default backend: 2000x16 <= 3x 1x32000); ``checks="full"`` and ``"fast"`` and
-the eager chain are in the row and its table, not targets.  A host row of a
+Host work: one target per optimizer, the default's (the row's ``checks``, ``"full"``
+since 2026-11-27, ``"refs"`` before, with the default backend: 2000x16 <= 3x
+1x32000); the other modes and the eager chain are in the row and its table, not
+targets.  A host row of a
 document recorded before the ``"refs"`` mode (eager, ``full`` and ``fast``)
 keeps its two targets, as that document stored them.
 """

@@ -168,10 +168,11 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         cls = type(self)
         options = dict(options)
         self.atomic = check_flag("atomic", options.pop("atomic", False))
-        #: ``"refs"``: every step compares two storage use counts per buffer (O(1); see ``FlatBuffer.check``);
-        #: ``"full"``: those and every parameter's binding (two C-level passes); ``"fast"``: those and the
-        #: first and last parameter's (see the README).
-        self.checks = check_choice("checks", options.pop("checks", "refs"), CHECK_MODES)
+        #: ``"full"`` (the default): every step compares two storage use counts per buffer and every
+        #: parameter's binding (two C-level passes; see ``FlatBuffer.check``); ``"refs"``: the counts alone
+        #: (O(1), blind to a re-binding while the caller holds the old tensors); ``"fast"``: the counts and
+        #: the first and last parameter's (see the README).
+        self.checks = check_choice("checks", options.pop("checks", "full"), CHECK_MODES)
         self.pack_via = check_choice("pack_via", options.pop("pack_via", "auto"), PACK_MODES)
         for name in options:
             if name in cls.spec.torch.refused:
