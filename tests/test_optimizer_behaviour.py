@@ -62,6 +62,15 @@ def _flat_range(opt, buffer="data"):
     return start, start + t.numel() * t.element_size()
 
 
+def _iteration(pairs, step: int) -> None:
+    """One training iteration (``zero_grad()``, backward of :func:`_loss` at ``step``, ``step()``) of each
+    (model, optimizer) pair."""
+    for model, opt in pairs:
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+
+
 def _assert_params_equal(a: torch.nn.Module, b: torch.nn.Module, **tol):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert_close(p.detach(), q.detach(), **tol)
@@ -228,12 +237,7 @@ def test_zero_grad_set_to_none_runs_no_op_and_old_slots_do_not_reach_the_next_st
     ours = dml_optim.Adam(ours_m.parameters(), lr=0.01, epsilon=0.0, backend=backend)
     ref = torch.optim.Adam(ref_m.parameters(), lr=0.01, eps=0.0, foreach=False)
     for step in range(2):  # (the second step's gradients accumulate in their views of the flat buffer)
-        ours.zero_grad()
-        ref.zero_grad()
-        _loss(ours_m, step).backward()
-        _loss(ref_m, step).backward()
-        ours.step()
-        ref.step()
+        _iteration([(ours_m, ours), (ref_m, ref)], step)
     first = next(ours_m.parameters())
     lo, hi = _flat_range(ours, "grad")
     assert lo <= first.grad.data_ptr() < hi
@@ -324,12 +328,7 @@ def test_lr_scheduler_behaves_as_on_torch_optim(make_scheduler):
     ours_s, ref_s = make_scheduler(ours), make_scheduler(ref)
     ours_lrs, ref_lrs = [], []
     for step in range(10):
-        ours.zero_grad()
-        ref.zero_grad()
-        _loss(ours_m, step).backward()
-        _loss(ref_m, step).backward()
-        ours.step()
-        ref.step()
+        _iteration([(ours_m, ours), (ref_m, ref)], step)
         ours_s.step()
         ref_s.step()
         ours_lrs.append(ours.param_groups[0]["lr"])
