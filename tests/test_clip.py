@@ -177,7 +177,7 @@ def test_audit_beside_torch_on_resnet50_shapes():
     opt = dml_optim.Adam(ours, backend="eager")
     opt.step()
     report = audit_call(opt, lambda: dml_optim.clip_grad_norm_(opt, 1.0))
-    assert report.total_ops <= 8 and report.fallbacks == [] and report.host_syncs == 0, report.ops
+    assert report.total_ops <= 9 and report.fallbacks == [] and report.host_syncs == 0, report.ops
     ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     for q in ref:
         q.grad = torch.ones_like(q)
@@ -195,7 +195,7 @@ def test_cli_audit_clip_beside_torch(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["audited"] == "clip_grad_norm_" and doc["tensors"] == 300
     assert doc["ours"]["optimizer"] == "dml_optim.clip_grad_norm_"
-    assert doc["ours"]["total_ops"] <= 8 and doc["ours"]["host_syncs"] == 0 and doc["ours"]["fallbacks"] == []
+    assert doc["ours"]["total_ops"] <= 9 and doc["ours"]["host_syncs"] == 0 and doc["ours"]["fallbacks"] == []
     assert doc["torch"]["optimizer"] == "torch.nn.utils.clip_grad_norm_"
     assert doc["torch"]["total_ops"] >= 2 * 300
 
@@ -205,9 +205,9 @@ def test_the_total_norm_is_as_accurate_as_torchs(norm_type):
     """One float32 reduction over a whole flat buffer loses what small gradients add after large ones; the norm
     is taken per block of ``NORM_BLOCK`` elements and then over the blocks', so it stays within a float32
     reduction's error of the float64 norm wherever torch's norm of per-tensor norms does (a single reduction
-    over these 1.3M elements: 2.4e-5 relative for the 2-norm)."""
+    over these 1.3M elements: 2.4e-5 relative for the 2-norm), small elements after the last whole block too."""
     gen = torch.Generator().manual_seed(0)
-    sizes_scales = [(1 << 20, 1.0), (16_000, 4e-3), (300_000, 1e-3), (7, 10.0)]
+    sizes_scales = [(1 << 20, 1.0), (16_000, 4e-3), (300_000, 1e-3), (7, 10.0), (4000, 1e-2)]
     ps = [torch.nn.Parameter(torch.zeros(n)) for n, _ in sizes_scales]
     for p, (n, scale) in zip(ps, sizes_scales):
         p.grad = torch.randn(n, generator=gen) * scale

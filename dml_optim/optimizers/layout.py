@@ -143,7 +143,7 @@ class LayoutMixin:
             for flat, binding in zip(layout.buffers, bindings):
                 flat.settings = layout.checked
                 active = self._bind(group, flat, binding, in_place)
-                if binding is not None:  # (bindings changed: the state checks="refs" recognizes is recorded anew)
+                if binding is not None:  # (bindings changed: the state the binding checks recognize is recorded anew)
                     flat.record_uses()
                 if active is not None and not any(active):
                     continue
