@@ -136,7 +136,7 @@ class FlatBuffer:
     """
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
-                 "grad_refs", "uses", "data_uses", "absent", "grad_ids", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
+                 "grad_refs", "uses", "data_uses", "absent", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
                  "_owner", "settings", "eager_s", "scalars", "fused", "pending", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
@@ -159,7 +159,6 @@ class FlatBuffer:
         self.uses: tuple[int, int] | None = None
         self.data_uses: tuple[torch.Tensor, int] | None = None  # (data, its storage's use count) when all were bound
         self.absent: tuple = ()  # the parameters without a gradient when ``uses`` were recorded
-        self.grad_ids: list[int] | None = None  # ``id`` of each ``p.grad`` (a view, or None) then
         self._storages: tuple = ()
         self.countable = all(type(p).grad is _TENSOR_GRAD and type(p).data is _TENSOR_DATA for p in self.params)
         self.ptrs = [] if self.staged else list(map(_DATA_PTR, self.params))
@@ -182,7 +181,7 @@ class FlatBuffer:
     #: Per-process bookkeeping a copy starts without: weak references to the gradient views handed out
     #: (a copy's parameters hold copies of them), the storage use counts and their storage objects, and
     #: the fused backend's cache (step tensors, views, the gradients read last).
-    _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "grad_ids": None, "_storages": (), "fused": None, "pending": None}
+    _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "_storages": (), "fused": None, "pending": None}
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT
@@ -414,7 +413,6 @@ class FlatBuffer:
             ours = self._grads_ours()
             bound = any(ours) and all(o or g is None for o, g in zip(ours, grads))
             self.absent = tuple(p for p, g in zip(self.params, grads) if g is None) if bound else ()
-            self.grad_ids = list(map(id, grads)) if bound else None
         self.uses = self._use_counts() if bound else None
 
     def check(self, mode: str) -> bool:
@@ -428,8 +426,8 @@ class FlatBuffer:
         parameter by parameter.  ``"refs"`` stops there: O(1) whatever the number of parameters
         (a buffer of parameters whose class overrides ``.grad`` or ``.data`` in Python is checked as
         ``"full"``: such an attribute can answer what no count shows).
-        ``"full"`` (the default) also compares every parameter's gradient identity (the ids recorded with
-        the counts) and data pointer (two C-level passes), which sees what no count shows: a re-binding
+        ``"full"`` (the default) also compares every parameter's gradient identity and data pointer (two
+        C-level passes), which sees what no count shows: a re-binding
         while the caller holds the old tensor (``grads = [p.grad ...]`` kept, then ``p.grad = None``;
         ``backup = p.detach()``, then ``p.data = t``) and a parameter re-bound to another place in the
         same buffer (``p1.data = p2.data``); ``"fast"`` compares the first and last parameter's.
@@ -444,9 +442,10 @@ class FlatBuffer:
         if mode == "refs" and self.countable:
             return True
         params, refs = self.params, self.grad_refs
-        if mode != "fast":  # (an id of a view that died could be reused, but its death dropped the count)
+        if mode != "fast":  # (identity, not ids: a view that died may leave its id to a new tensor)
+            views = [ref() if ref is not None else None for ref in refs]
             with _FAST_ATTRIBUTES():  # nn.Parameter's __torch_function__ lookup halves these passes' speed
-                if list(map(id, map(_GRAD, params))) != self.grad_ids:
+                if not all(map(operator.is_, views, map(_GRAD, params))):
                     return False
                 return list(map(_DATA_PTR, params)) == self.ptrs
         ends = (0, len(params) - 1)
