@@ -402,9 +402,9 @@ class FlatBuffer:
 
     def record_uses(self) -> None:
         """After binding: remember the storages' use counts if every parameter is bound to the buffer and
-        holds its gradient view (the state :meth:`check` then recognizes in O(1)); else forget them.  The data
+        holds its gradient view (the state :meth:`check` then recognizes without a diagnosis); else forget them.  The data
         storage's count alone is kept whenever every parameter is bound (gradients of their own, read in
-        place, change the gradient count at every step; :meth:`moved` still answers in O(1))."""
+        place, change the gradient count at every step; :meth:`moved` still answers from it under ``checks="refs"``)."""
         countable = not self.staged and self.countable and _USE_COUNT is not None
         self.data_uses = (self.data, _USE_COUNT(self._handles()[2])) if countable else None
         bound = countable and self.grad is not None and self.pending is None

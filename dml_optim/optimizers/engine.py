@@ -233,7 +233,7 @@ class EngineMixin:
             return None
         if any(a is not b[1] for a, b in zip(flats, work)):
             return None
-        # every gradient in its view or None (what a repeat checks in O(1)), or every gradient read in place
+        # every gradient in its view or None (what a repeat checks without a diagnosis), or every gradient read in place
         if any(not (f.uses is not None or f.fused is not None and f.fused.read is not None) for f in flats):
             return None
         return flats
@@ -293,7 +293,7 @@ class EngineMixin:
         tensors of their parameters' shape, dtype and device (:meth:`FlatBuffer.plain_grads`), contiguous
         and not written into since the last step read them (:func:`dml_optim.fused.reads_in_place`).  The
         buffer's own gradient views back in ``.grad`` (``zero_grad()`` keeping them) take the full path, which
-        records them, so the following steps repeat with the O(1) check."""
+        records them, so the following steps repeat with the binding check."""
         grads = list(map(_GRAD, flat.params))
         index = [i for i, g in enumerate(grads) if g is not None]
         if not index or flat.holds_grad(index[0], grads[index[0]]):
