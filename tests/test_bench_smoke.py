@@ -428,6 +428,46 @@ def test_a_fraction_of_the_reference_pairs_the_samples_of_each_round():
         paired_fraction(seconds[:2], step_bytes, ref_bps)
 
 
+def test_a_ratio_of_two_candidates_pairs_the_samples_of_each_round():
+    """Both candidates are slowed 3x in rounds 2 and 3 (a neighbour's job) and dml_optim is 10% faster in every
+    round: the medians taken apart say 0.55x, the rounds paired say 1.10x, with quartiles; unequal rounds raise."""
+    from dml_optim.benchmark.timing import paired_ratio
+
+    torch_ms = [1.1, 1.1, 3.3, 3.3, 1.1]
+    ours_ms = [1.0, 3.0, 3.0, 3.0, 1.0]  # (round 2: ours alone slowed)
+    apart = sorted(torch_ms)[2] / sorted(ours_ms)[2]
+    assert apart == pytest.approx(1.1 / 3.0)
+    median, q1, q3 = paired_ratio(torch_ms, ours_ms)
+    assert median == pytest.approx(1.1) and q1 == pytest.approx(1.1) and q3 == pytest.approx(1.1)
+    median, q1, q3 = paired_ratio([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5)
+    assert (median, q1, q3) == (3.0, 2.0, 4.0)
+    assert paired_ratio([2.0], [1.0]) == (2.0, 2.0, 2.0)
+    with pytest.raises(ValueError):
+        paired_ratio([1.0, 2.0], [1.0])
+
+
+def test_a_speed_target_compares_the_rounds_and_keeps_the_spread():
+    """A row with each round's samples (``round_ms``) is compared with torch fused round by round: the target's
+    value is the paired median, its ``spread`` the quartiles, and the tables print both; a document without
+    ``round_ms`` keeps the ratio of the medians and no spread."""
+    doc = _speed_doc({("adamw", "one-64m"): {"dml_optim fused": 40.0, "torch fused": 38.0}}, auto="fused")
+    rounds = {"dml_optim fused": [40.0, 60.0, 40.0, 40.0, 40.0], "torch fused": [38.0, 38.0, 44.0, 44.0, 44.0]}
+    old = _target(doc, "one-64m AdamW >= 1.0x torch fused")
+    assert (old["measured"], old["spread"], old["status"]) == (pytest.approx(38.0 / 40.0), None, "MISS")
+    for r in doc["results"]:
+        r["round_ms"] = rounds[r["candidate"]]
+    paired = _target(doc, "one-64m AdamW >= 1.0x torch fused")  # per round: 0.95, 0.63, 1.1, 1.1, 1.1
+    assert paired["measured"] == pytest.approx(1.1) and paired["status"] == "PASS"
+    assert paired["spread"] == [pytest.approx(0.95), pytest.approx(1.1)]
+    doc["targets"] = benchmark.check_targets(doc)
+    assert "| one-64m AdamW >= 1.0x torch fused | fused | 1.10x (0.95-1.10) | PASS |" in benchmark.report.targets_table(doc)
+    for r in doc["results"]:
+        r.update({**dict.fromkeys(ROW_FIELDS), **r, "gbs": 1.0, "first_step_ms": 1.0, "ratio_to_best_torch": 1.0})
+    doc.update(created="2026-11-27T00:00:00+00:00", complete=True, dtype="float32", elapsed_s=1.0, errors=[], skipped=[],
+               machine={"torch": torch.__version__, "cpu_count": 2, "processor": "x86_64"})
+    assert "| adamw | one-64m | 40.000 (fused) | 38.000 | 1.10x (0.95-1.10) |" in benchmark.format_summary(doc)
+
+
 def test_the_reference_of_a_round_is_its_fastest_pass():
     """Per round the fastest pass's bytes per second (another pass may win another round); the record has each
     pass's median GB/s, the rounds it won, the pass that won most, the median of the rounds' best, and the ms
@@ -547,7 +587,9 @@ def test_a_pattern_stepper_assigns_the_patterns_gradients_and_counts_steps():
 def test_the_none_pattern_row_at_its_quick_size(monkeypatch):
     """Momentum, dml_optim auto (eager at this size) and torch fused (the other candidates are the slow quick
     test's): every candidate steps the patterns, SGD(fused=True) refuses them with the reason, and the record's
-    ratios are its rows' times."""
+    ratios are its rows' times, round by round."""
+    from dml_optim.benchmark.timing import paired_ratio
+
     monkeypatch.setattr(nonepattern, "CANDIDATES", (AUTO, "torch fused"))
     rec = nonepattern.measure_nonepattern("momentum", torch.device("cpu"), torch.float32, _ONE_SAMPLE, lambda m: None,
                                           quick=True)
@@ -561,8 +603,10 @@ def test_the_none_pattern_row_at_its_quick_size(monkeypatch):
     changing, steady = rows[(AUTO, "changing")], rows[(AUTO, "steady")]
     assert changing["distinct_step_counts"] > 1 and steady["distinct_step_counts"] == 1
     assert rec["workload"] == "40x16x16" and rec["tensors"] == 40 and rec["present"] == 28
-    assert rec["ratio_changing_to_steady"] == changing["ms_per_step"] / steady["ms_per_step"]
-    assert rec["ratio_fused_to_ours"] is None
+    assert len(changing["round_ms"]) == len(steady["round_ms"]) == changing["samples"]
+    median, q1, q3 = paired_ratio(changing["round_ms"], steady["round_ms"])  # (the rounds paired)
+    assert rec["ratio_changing_to_steady"] == median and rec["spread_changing_to_steady"] == [q1, q3]
+    assert rec["ratio_fused_to_ours"] is None and rec["spread_fused_to_ours"] is None
     assert rec["auto_runs"] == "fused"  # what dml_optim auto ran, changing
 
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dml_optim, also when it is not installed
 
 from dml_optim.benchmark import default_workloads, report  # noqa: E402
-from dml_optim.benchmark.targets import auto_label, reference, speed_row  # noqa: E402
+from dml_optim.benchmark.targets import auto_label, reference, speed_row, versus  # noqa: E402
 from dml_optim.benchmark.timing import reference_name  # noqa: E402
 from dml_optim.benchmark.workloads import FROZEN_PREFIXES  # noqa: E402
 
@@ -182,8 +182,7 @@ def _speed_table(doc: dict, device: str, shown: set[str]) -> list[str]:
                 continue
             cells = [work, optimizer, f"{_ms(mine)} ({auto_label(ref)})"]
             cells += [_ms(mine, "kernel_ms"), _ms(fused, "kernel_ms")] if cuda else []
-            vs_fused = "n/a" if fused is None else f"{fused['ms_per_step'] / mine['ms_per_step']:.2f}x"
-            cells += [_ms(fused), _ms(foreach), vs_fused, f"{mine['ratio_to_best_torch']:.2f}x",
+            cells += [_ms(fused), _ms(foreach), report.ratio_cell(*versus(doc, mine, "torch fused")), f"{mine['ratio_to_best_torch']:.2f}x",
                       f"{100 * mine['fraction_of_reference']:.0f}%", f"{_mb(mine)} / {_mb(fused)}", *_targets_cell(ref, shown)]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -193,9 +192,9 @@ def _frozen_table(doc: dict, shown: set[str]) -> list[str]:
     works = [w["name"] for w in doc["workloads"] if w["name"].startswith(FROZEN_PREFIXES)]
     targets = _row_targets(doc)
     lines = ["| model (trainable / all elements) | optimizer | dml_optim ms (`auto`) | torch fused ms | torch foreach ms | "
-             "ops per step: dml_optim / torch foreach | state MB: dml_optim / torch fused | first step ms: dml_optim / torch fused |"
-             + (" targets |" if targets else ""),
-             "|---|---|---:|---:|---:|---:|---:|---:|" + ("---|" if targets else "")]
+             "dml_optim vs torch fused | ops per step: dml_optim / torch foreach | state MB: dml_optim / torch fused | "
+             "first step ms: dml_optim / torch fused |" + (" targets |" if targets else ""),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if targets else "")]
     sizes = {w["name"]: w for w in doc["workloads"]}
     for work in works:
         for optimizer in _OPTIMIZERS:
@@ -206,7 +205,8 @@ def _frozen_table(doc: dict, shown: set[str]) -> list[str]:
             fused, foreach = _row(doc, optimizer, work, "torch fused"), _row(doc, optimizer, work, "torch foreach")
             w = sizes[work]
             lines.append(f"| {work} ({w['trainable_elements']:,} / {w['elements']:,}) | {optimizer} | {_ms(mine)} "
-                         f"({auto_label(ref)}) | {_ms(fused)} | {_ms(foreach)} | {mine['ops_per_step']} / "
+                         f"({auto_label(ref)}) | {_ms(fused)} | {_ms(foreach)} | "
+                         f"{report.ratio_cell(*versus(doc, mine, 'torch fused'))} | {mine['ops_per_step']} / "
                          f"{'n/a' if foreach is None else foreach['ops_per_step']} | {_mb(mine)} / {_mb(fused)} | "
                          f"{_ms(mine, 'first_step_ms')} / {_ms(fused, 'first_step_ms')} |"
                          + "".join(f" {c} |" for c in _targets_cell(ref, shown)))
@@ -319,8 +319,11 @@ def bench_section(cpu: dict, cuda: dict) -> str:
         _fill(f"Candidates are measured round-robin in one process, medians after warm-up; `{_command(cpu)}` "
                       "reproduces it (`--out bench/results/NAME.json` records a run there). The VM is shared: single "
                       "figures vary between runs (the same pair's ratio moved by ±7% between quiet runs; with two threads, "
-                      "OpenMP kernels slow several-fold whenever other work runs), so compare candidates within a run, "
-                      "and read a target within a few percent of its line as a tie."),
+                      "OpenMP kernels slow several-fold whenever other work runs), so compare candidates within a run. "
+                      "A ratio of two candidates is the median of the ratios of the rounds (a round times each "
+                      "candidate once, so a slow period slows both sides of it), followed by its quartiles over the "
+                      "rounds where the run recorded them: where they straddle a target's line, the run cannot tell "
+                      "the two apart."),
         "",
         *_blocks(cpu_rows[0]),
         "Frozen parameters (LoRA: 16 frozen 512x512 Linear layers, each with a trainable rank-8 adapter; gradual",

@@ -25,7 +25,7 @@ refuses a parameter whose momentum buffer is still ``None``) is n/a, with
 the reason.
 
 Per candidate: ``ms_per_step`` (median), ``ms_min`` and ``ms_max`` (the
-spread), ``first_step_ms``, ``ops_per_step`` (the mean over one cycle of
+spread), ``round_ms`` (the sample of each round, in order), ``first_step_ms``, ``ops_per_step`` (the mean over one cycle of
 patterns, :func:`dml_optim.opcount.count_ops`), ``steps_taken`` and
 ``distinct_step_counts`` (among the parameters, after the last step);
 ``error``: a part that failed (counting the ops).
@@ -37,7 +37,10 @@ The record's ratios are the targets' values (:mod:`~dml_optim.benchmark.targets`
 ``ratio_changing_to_steady`` (``dml_optim auto``'s changing step over its
 steady one, at most :data:`CHANGING_LIMIT`) and ``ratio_fused_to_ours``
 (torch fused's changing step over ``dml_optim auto``'s, at least
-:data:`VS_FUSED_LIMIT`).
+:data:`VS_FUSED_LIMIT`), each the median of the ratios of the rounds
+(:func:`~dml_optim.benchmark.timing.paired_ratio`; records before
+``round_ms``: the ratio of the medians), with its quartiles
+(``spread_changing_to_steady``, ``spread_fused_to_ours``; None in those).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import torch
 
 from dml_optim.benchmark.candidates import AUTO, build_optimizer, no_compile_fallback, ran, settle_steps, unavailable
 from dml_optim.benchmark.common import error_text
-from dml_optim.benchmark.timing import round_robin, wall_seconds
+from dml_optim.benchmark.timing import round_robin, rows_ratio, wall_seconds
 from dml_optim.benchmark.workloads import Workload, make_params, make_values, tensors
 from dml_optim.opcount import count_ops
 
@@ -64,7 +67,7 @@ CHANGING_LIMIT = 1.5
 VS_FUSED_LIMIT = 1.0
 #: The fields of every candidate's row (None where not measured).
 ROW_FIELDS = ("candidate", "mode", "available", "reason", "ms_per_step", "ms_min", "ms_max", "samples", "inner_steps",
-              "first_step_ms", "ops_per_step", "steps_taken", "distinct_step_counts", "error")
+              "round_ms", "first_step_ms", "ops_per_step", "steps_taken", "distinct_step_counts", "error")
 _COUNT, _PRESENT, _SEED = 40, 28, 23
 _SHAPE, _QUICK_SHAPE = (128, 128), (16, 16)
 _PATTERNS, _QUICK_PATTERNS = 64, 16
@@ -140,10 +143,11 @@ def blank_row(name: str, mode: str) -> dict[str, Any]:
     return row
 
 
-def _ratio(numerator: dict | None, denominator: dict | None) -> float | None:
+def _ratio(numerator: dict | None, denominator: dict | None) -> tuple[float | None, list[float] | None]:
+    """``numerator``'s time over ``denominator``'s, round by round, and the quartiles (None, None: one is n/a)."""
     if numerator is None or denominator is None or None in (numerator["ms_per_step"], denominator["ms_per_step"]):
-        return None
-    return numerator["ms_per_step"] / denominator["ms_per_step"]
+        return None, None
+    return rows_ratio(numerator, denominator)
 
 
 def find_row(rows: list[dict], candidate: str, mode: str) -> dict | None:
@@ -157,13 +161,15 @@ def make_record(optimizer: str, work: Workload, patterns: int, rows: list[dict],
     (``auto_runs``), and the targets' ratios (``dml_optim auto``'s changing over steady; torch fused's changing
     over ``dml_optim auto``'s)."""
     ours = find_row(rows, AUTO, "changing")
+    changing_to_steady, spread_steady = _ratio(ours, find_row(rows, AUTO, "steady"))
+    fused_to_ours, spread_fused = _ratio(find_row(rows, "torch fused", "changing"), ours)
     return {
         "optimizer": optimizer, "workload": work.name, "tensors": len(work.shapes),
         "elements_per_tensor": math.prod(work.shapes[0]),
         "present": _PRESENT, "patterns": patterns, "seed": _SEED, "auto_runs": auto_runs,
         "changing_limit": CHANGING_LIMIT, "vs_fused_limit": VS_FUSED_LIMIT,
-        "ratio_changing_to_steady": _ratio(ours, find_row(rows, AUTO, "steady")),
-        "ratio_fused_to_ours": _ratio(find_row(rows, "torch fused", "changing"), ours),
+        "ratio_changing_to_steady": changing_to_steady, "spread_changing_to_steady": spread_steady,
+        "ratio_fused_to_ours": fused_to_ours, "spread_fused_to_ours": spread_fused,
         "rows": rows,
     }
 
@@ -209,7 +215,7 @@ def measure_nonepattern(optimizer: str, device: torch.device, dtype: torch.dtype
     for key, stepper in steppers.items():
         t = timed[key]
         rows[key].update(ms_per_step=t["seconds"] * 1e3, ms_min=t["min_seconds"] * 1e3, ms_max=t["max_seconds"] * 1e3,
-                         samples=t["samples"], inner_steps=t["inner"])
+                         samples=t["samples"], inner_steps=t["inner"], round_ms=[x * 1e3 for x in t["round_seconds"]])
         try:
             rows[key]["ops_per_step"] = stepper.ops_per_step()
         except Exception as exc:  # recorded; the row keeps its times

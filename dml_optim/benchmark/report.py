@@ -25,12 +25,12 @@ from typing import Any
 
 from dml_optim.benchmark.candidates import AUTO
 from dml_optim.benchmark.nonepattern import MODES, find_row
-from dml_optim.benchmark.targets import auto_label, reference, speed_row
+from dml_optim.benchmark.targets import auto_label, reference, speed_row, versus
 from dml_optim.benchmark.timing import reference_name
 from dml_optim.console import DEFAULT_OUTPUT_DIR
 
 __all__ = ["format_report", "format_summary", "memory_table", "graph_table", "instances_table", "host_table",
-           "lowbit_table", "nonepattern_table", "construction_table", "target_cells", "targets_table",
+           "lowbit_table", "nonepattern_table", "construction_table", "target_cells", "targets_table", "ratio_cell",
            "not_measured_lines", "default_output_path", "write_json"]
 
 
@@ -237,8 +237,8 @@ def _nonepattern_cells(rec: dict[str, Any], shown: set[str] | None) -> list[str]
 
     ran = f"{rec['auto_runs']}: " if rec.get("auto_runs") else ""  # (what auto ran, where the record says)
     return [rec["optimizer"], ran + _spread(row(AUTO, "changing"), "ms_per_step"),
-            _spread(row(AUTO, "steady"), "ms_per_step"), _x(rec["ratio_changing_to_steady"]),
-            *(_spread(row("torch fused", m), "ms_per_step") for m in MODES), _x(rec["ratio_fused_to_ours"]),
+            _spread(row(AUTO, "steady"), "ms_per_step"), ratio_cell(rec["ratio_changing_to_steady"], rec.get("spread_changing_to_steady")),
+            *(_spread(row("torch fused", m), "ms_per_step") for m in MODES), ratio_cell(rec["ratio_fused_to_ours"], rec.get("spread_fused_to_ours")),
             pair("dml_optim eager", "ms_per_step", ".2f"), pair("dml_optim compiled", "ms_per_step", ".2f"),
             pair(AUTO, "ops_per_step", ".1f"), _f(row(AUTO, "changing").get("distinct_step_counts"), "d"),
             target_cells(rec.get("targets", []), shown)]
@@ -280,11 +280,20 @@ def construction_table(doc: dict[str, Any], shown: set[str] | None = None) -> li
                    "cold s: dml_optim / torch fused", "targets"], rows, 2, left_last=1)
 
 
+def ratio_cell(value: float | None, spread: list[float] | None) -> str:
+    """``"1.02x (0.97-1.06)"``: a ratio taken round by round with its quartiles (``spread``; None: the ratio alone)."""
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}x" + ("" if not spread else f" ({spread[0]:.2f}-{spread[1]:.2f})")
+
+
 def _measured(t: dict[str, Any]) -> str:
     value = t["measured"]
     if value is None:
         return "n/a"
-    return f"{100 * value:.0f}%" if t["unit"] == "fraction" else f"{value:.3f} ms" if t["unit"] == "ms" else f"{value:.2f}x"
+    if t["unit"] == "x":
+        return ratio_cell(value, t.get("spread"))
+    return f"{100 * value:.0f}%" if t["unit"] == "fraction" else f"{value:.3f} ms"
 
 
 def targets_table(doc: dict[str, Any]) -> list[str]:
@@ -323,9 +332,8 @@ def format_summary(doc: dict[str, Any]) -> str:
         fused = speed_row(doc, ref["optimizer"], ref["workload"], "torch fused")
         if mine is None or mine["ms_per_step"] is None:
             continue
-        vs_fused = None if fused is None or fused["ms_per_step"] is None else fused["ms_per_step"] / mine["ms_per_step"]
         rows.append([ref["optimizer"], ref["workload"], f"{mine['ms_per_step']:.3f} ({auto_label(ref)})",
-                     _f(None if fused is None else fused["ms_per_step"], ".3f"), _f(vs_fused, ".2f", "x"),
+                     _f(None if fused is None else fused["ms_per_step"], ".3f"), ratio_cell(*versus(doc, mine, "torch fused")),
                      _f(mine["ratio_to_best_torch"], ".2f", "x"), _pct(mine["fraction_of_reference"]),
                      _f(mine["ops_per_step"], "d")])
     counts = {s: sum(t["status"] == s for t in doc["targets"]) for s in ("PASS", "MISS", "not measured")}

@@ -6,7 +6,9 @@ bandwidth reference (:class:`~dml_optim.benchmark.timing.Reference`) and fills
 one row per candidate:
 
 * ``ms_per_step``: wall time (``inner`` back-to-back steps between two
-  synchronizations; at least 20 on CUDA), median over the rounds;
+  synchronizations; at least 20 on CUDA), median over the rounds, and
+  ``round_ms``: the sample of each round, in order (two rows' ratio is taken
+  round by round: :func:`~dml_optim.benchmark.targets.versus`);
 * ``kernel_ms`` (CUDA): the device time of the step's kernels, from
   ``torch.profiler``;
 * ``gbs``: the minimum bytes a step must move
@@ -64,7 +66,7 @@ __all__ = ["ROW_FIELDS", "gradients", "start_candidates", "measure", "measure_gr
 ROW_FIELDS = (
     "optimizer", "workload", "candidate", "available", "reason", "ms_per_step", "steps_per_s", "ratio_to_best_torch",
     "gbs", "fraction_of_reference", "kernel_ms", "kernel_gbs", "kernel_fraction_of_reference", "ops_per_step",
-    "optimizer_bytes", "first_step_ms", "compile_s", "samples", "inner_steps", "error",
+    "optimizer_bytes", "first_step_ms", "compile_s", "samples", "inner_steps", "round_ms", "error",
 )
 #: Steps the profiler records per candidate for ``kernel_ms`` (one where a step launches thousands of kernels).
 _PROFILED_STEPS = 3
@@ -122,7 +124,8 @@ def measure(cands: list[Candidate], rows: dict[str, dict], optimizer: str, work:
         s = timed[c.name]["seconds"]
         row.update(ms_per_step=s * 1e3, steps_per_s=1 / s, gbs=step_bytes / s / 1e9,
                    fraction_of_reference=paired_fraction(timed[c.name]["round_seconds"], step_bytes, ref_bps),
-                   first_step_ms=c.first_step_s * 1e3, samples=timed[c.name]["samples"], inner_steps=timed[c.name]["inner"])
+                   first_step_ms=c.first_step_s * 1e3, samples=timed[c.name]["samples"], inner_steps=timed[c.name]["inner"],
+                   round_ms=[t * 1e3 for t in timed[c.name]["round_seconds"]])
         row["compile_s"] = max(0.0, c.first_step_s - s) if c.name == "dml_optim compiled" else None
         try:
             row["optimizer_bytes"] = c.optimizer_bytes()

@@ -9,6 +9,12 @@ is what that ran (:func:`auto_label`).  A target whose row was not
 measured (not selected, n/a, failed, cut by ``--budget``) is "not measured",
 and its ``reason`` says which part is missing (``"torch fused n/a: ..."``).
 
+A target comparing two candidates of a speed or frozen row (dml_optim against
+torch fused or foreach) takes their ratio round by round (:func:`versus`:
+the median of the per-round ratios, with the quartiles as ``spread``), where
+the rows record each round's sample (``round_ms``); in documents recorded
+before that field it is the ratio of the two medians, without a spread.
+
 A target of one measurement (a speed or frozen row, a None-pattern or a
 construction row) names it: ``row``, ``optimizer``, ``workload``, and
 ``versus`` (what it is compared with, for a short label beside the row);
@@ -36,10 +42,10 @@ from typing import Any, Callable
 from dml_optim.benchmark.candidates import AUTO
 from dml_optim.benchmark.memory import CPU_SLACK
 from dml_optim.benchmark.nonepattern import find_row
-from dml_optim.benchmark.timing import reference_name
+from dml_optim.benchmark.timing import reference_name, rows_ratio
 from dml_optim.benchmark.workloads import FROZEN_PREFIXES
 
-__all__ = ["check_targets", "record_targets", "speed_row", "reference", "auto_label", "RECORD_LISTS"]
+__all__ = ["check_targets", "record_targets", "speed_row", "reference", "versus", "auto_label", "RECORD_LISTS"]
 
 #: CUDA: dml_optim (auto) >= 1.0x torch fused (wall) for these optimizers and workloads ...
 _CUDA_VS_FUSED = (("adam", "momentum"), ("resnet50", "bert-base-uncased", "gpt2", "one-256m"))
@@ -60,6 +66,17 @@ def speed_row(doc: dict[str, Any], optimizer: str, work: str, candidate: str) ->
 def reference(doc: dict[str, Any], optimizer: str, work: str) -> dict | None:
     """The reference record of the (``optimizer``, ``work``) speed row, or None."""
     return next((r for r in doc["references"] if (r["optimizer"], r["workload"]) == (optimizer, work)), None)
+
+
+def versus(doc: dict[str, Any], row: dict, candidate: str) -> tuple[float | None, list[float] | None]:
+    """``candidate``'s time over ``row``'s (the same optimizer and workload): how many times faster ``row`` is, and
+    the spread ``[first quartile, third quartile]`` over rounds, or ``(None, None)`` where ``candidate`` has no time.
+
+    Round by round where both rows record their rounds (:func:`~dml_optim.benchmark.timing.rows_ratio`)."""
+    other = speed_row(doc, row["optimizer"], row["workload"], candidate)
+    if other is None or other["ms_per_step"] is None or row["ms_per_step"] is None:
+        return None, None
+    return rows_ratio(other, row)
 
 
 def auto_label(record: dict[str, Any]) -> str:
@@ -93,44 +110,46 @@ class _Targets:
         self.out: list[dict[str, Any]] = []
 
     def add(self, name: str, required: float, op: str, unit: str, value: float | None, backend: str | None = None,
-            *, reason: str | None = None, **where: str | None) -> None:
-        """A target: PASS/MISS from ``value`` (None: not measured, because of ``reason``); ``where`` names its
-        measurement (``row``, ``optimizer``, ``workload``, ``versus``)."""
+            *, reason: str | None = None, spread: list[float] | None = None, **where: str | None) -> None:
+        """A target: PASS/MISS from ``value`` (None: not measured, because of ``reason``); ``spread``: the quartiles
+        of a ratio taken round by round (:func:`versus`), or None; ``where`` names its measurement (``row``,
+        ``optimizer``, ``workload``, ``versus``)."""
         ok = None if value is None else (value >= required if op == ">=" else value <= required)
         self.out.append({"target": name, "required": required, "op": op, "unit": unit, "measured": value,
-                         "dml_backend": backend, "pass": ok,
+                         "spread": spread if value is not None else None, "dml_backend": backend, "pass": ok,
                          "status": "not measured" if ok is None else "PASS" if ok else "MISS",
                          "reason": None if ok is not None else reason or "not measured in this run", **where})
 
     def speed(self, name: str, optimizer: str, work: str, required: float, unit: str, versus: str,
-              measure: Callable[[dict, dict], tuple[float | None, str | None]]) -> None:
-        """A target of the (``optimizer``, ``work``) speed row; ``measure(row, ref)`` gives (value, reason)."""
+              measure: Callable[[dict, dict], tuple[float | None, str | None, list[float] | None]]) -> None:
+        """A target of the (``optimizer``, ``work``) speed row; ``measure(row, ref)`` gives (value, reason, spread)."""
         ref = reference(self.doc, optimizer, work)
         mine = speed_row(self.doc, optimizer, work, f"dml_optim {ref['auto_backend']}") if ref else None
+        spread = None
         if ref is None:
             value, reason = None, f"the {work} {optimizer} row is not in this run"
         elif mine is None or mine["ms_per_step"] is None:
             value, reason = None, _missing(f"dml_optim {ref['auto_backend']}", mine)
         else:
-            value, reason = measure(mine, ref)
-        self.add(name, required, ">=", unit, value, auto_label(ref) if ref else None, reason=reason,
+            value, reason, spread = measure(mine, ref)
+        self.add(name, required, ">=", unit, value, auto_label(ref) if ref else None, reason=reason, spread=spread,
                  row="frozen" if work.startswith(FROZEN_PREFIXES) else "speed", optimizer=optimizer, workload=work,
                  versus=versus)
 
-    def vs(self, candidate: str) -> Callable[[dict, dict], tuple[float | None, str | None]]:
-        """Measure: ``candidate``'s time over dml_optim's, from the same row."""
-        def measure(row: dict, ref: dict) -> tuple[float | None, str | None]:
-            other = speed_row(self.doc, row["optimizer"], row["workload"], candidate)
-            if other is None or other["ms_per_step"] is None:
-                return None, _missing(candidate, other)
-            return other["ms_per_step"] / row["ms_per_step"], None
+    def vs(self, candidate: str) -> Callable[[dict, dict], tuple[float | None, str | None, list[float] | None]]:
+        """Measure: ``candidate``'s time over dml_optim's, from the same row, round by round (:func:`versus`)."""
+        def measure(row: dict, ref: dict) -> tuple[float | None, str | None, list[float] | None]:
+            value, spread = versus(self.doc, row, candidate)
+            if value is None:
+                return None, _missing(candidate, speed_row(self.doc, row["optimizer"], row["workload"], candidate)), None
+            return value, None, spread
         return measure
 
     @staticmethod
-    def bandwidth(row: dict, ref: dict) -> tuple[float | None, str | None]:
+    def bandwidth(row: dict, ref: dict) -> tuple[float | None, str | None, list[float] | None]:
         """Measure: dml_optim's effective bandwidth as a fraction of the reference's (``fraction_of_reference``:
         off CUDA the stream limit's, round by round)."""
-        return row["fraction_of_reference"], None
+        return row["fraction_of_reference"], None, None
 
 
 def _speed_targets(t: _Targets, device: str) -> None:
@@ -168,11 +187,12 @@ def _speed_targets(t: _Targets, device: str) -> None:
 
 
 def _ratio_target(t: _Targets, name: str, record: dict, required: float, op: str, value: float | None,
-                  parts: list[tuple[str, dict | None]], key: str, row: str, versus: str) -> None:
+                  parts: list[tuple[str, dict | None]], key: str, row: str, versus: str,
+                  spread: list[float] | None = None) -> None:
     """A target of a None-pattern or construction record; ``parts`` are the (label, row) whose times (``key``)
     it divides: the reason of a target not measured names the first without one."""
     reason = next((_missing(label, r) for label, r in parts if r is None or r[key] is None), None)
-    t.add(name, required, op, "x", value, auto_label(record), reason=reason, row=row,
+    t.add(name, required, op, "x", value, auto_label(record), reason=reason, spread=spread, row=row,
           optimizer=record["optimizer"], workload=record["workload"], versus=versus)
 
 
@@ -185,10 +205,10 @@ def _nonepattern_targets(t: _Targets) -> None:
         what = f"{rec['workload']} {_title(rec['optimizer'])}, None gradients changing every step"
         _ratio_target(t, f"{what}: <= {rec['changing_limit']:.1f}x the steady step", rec, rec["changing_limit"], "<=",
                       rec["ratio_changing_to_steady"], [(f"{ours} (changing)", changing), (f"{ours} (steady)", steady)],
-                      "ms_per_step", "nonepattern", "the steady step")
+                      "ms_per_step", "nonepattern", "the steady step", rec.get("spread_changing_to_steady"))
         _ratio_target(t, f"{what}: >= {rec['vs_fused_limit']:.1f}x torch fused", rec, rec["vs_fused_limit"], ">=",
                       rec["ratio_fused_to_ours"], [(f"{ours} (changing)", changing), ("torch fused (changing)", fused)],
-                      "ms_per_step", "nonepattern", "torch fused")
+                      "ms_per_step", "nonepattern", "torch fused", rec.get("spread_fused_to_ours"))
 
 
 def _construction_targets(t: _Targets) -> None:

@@ -19,7 +19,8 @@
   ``dst.copy_(src)`` of at least 1 GiB.
 * :func:`paired_fraction`: a candidate's bandwidth over the reference's, round
   by round (samples of the same round paired, so that slow periods cancel), the
-  median over rounds.
+  median over rounds; :func:`paired_ratio`: two candidates' times the same way,
+  with the quartiles over rounds (the spread of a ratio).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = ["sync", "wall_seconds", "event_seconds", "kernel_seconds", "round_robin", "Reference", "COPY_MIN_BYTES",
-           "STREAM_PASSES", "PASS_PREFIX", "REFERENCE_NAMES", "reference_name", "stream_pass_names", "paired_fraction"]
+           "STREAM_PASSES", "PASS_PREFIX", "REFERENCE_NAMES", "reference_name", "stream_pass_names", "paired_fraction",
+           "paired_ratio", "rows_ratio"]
 
 #: The CUDA copy reference moves at least this many bytes each way.
 COPY_MIN_BYTES = 1 << 30
@@ -157,6 +159,35 @@ def paired_fraction(seconds: Sequence[float], step_bytes: float, reference_bps: 
     if len(seconds) != len(reference_bps) or not seconds:
         raise ValueError(f"{len(seconds)} samples paired with {len(reference_bps)} reference rounds")
     return statistics.median(step_bytes / s / bps for s, bps in zip(seconds, reference_bps))
+
+
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> tuple[float, float, float]:
+    """``(median, first quartile, third quartile)`` over rounds of ``numerator[r] / denominator[r]``: two
+    candidates' times taken in the same rounds (:func:`round_robin`'s ``round_seconds``), compared round by round.
+
+    On a shared machine a slow period (a neighbour's job, a frequency change) slows every candidate of its round;
+    the ratio of two medians taken apart mixes such rounds of one candidate with quiet rounds of the other, the
+    ratio within a round does not.  The quartiles are the spread: where they straddle 1.0 the two are a tie
+    at this run's noise."""
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError(f"{len(numerator)} samples paired with {len(denominator)}")
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return median, q1, q3
+
+
+def rows_ratio(numerator: dict, denominator: dict) -> tuple[float, list[float] | None]:
+    """``numerator``'s time over ``denominator``'s, two rows of the same round-robin (``ms_per_step``, and
+    ``round_ms``: each round's sample), and the spread ``[first quartile, third quartile]``: round by round
+    (:func:`paired_ratio`) where both rows recorded their rounds; the ratio of the medians, spread None, in
+    documents recorded before ``round_ms``."""
+    a, b = numerator.get("round_ms"), denominator.get("round_ms")
+    if a and b and len(a) == len(b):
+        median, q1, q3 = paired_ratio(a, b)
+        return median, [q1, q3]
+    return numerator["ms_per_step"] / denominator["ms_per_step"], None
 
 
 #: The prefix of a reference pass's name among the steps :func:`round_robin` times (``"reference add"``).
