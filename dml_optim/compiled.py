@@ -94,9 +94,10 @@ def _dispatch_mode_active() -> bool:
     """A ``TorchDispatchMode`` (op recorder, FLOP counter, FakeTensorMode, ...) is active.
 
     Then the eager rule runs, so the mode sees real ops; a compiled call under
-    a mode would make dynamo skip the frame for good.
+    a mode would make dynamo skip the frame for good.  (``_get_current_dispatch_mode()`` is not None exactly
+    when the mode stack, infrastructure modes included, is not empty: asked directly, one C call.)
     """
-    return _python_dispatch._get_current_dispatch_mode() is not None
+    return _python_dispatch._len_torch_dispatch_stack() > 0
 
 
 def _counting_kernels():

@@ -180,14 +180,14 @@ class _Cache:
     whole-buffer call, kept while the layout and the state tensors stay the same; the range-checked blocks of
     counts and the gradients the last step read in place."""
 
-    __slots__ = ("offsets", "numbers", "kernels", "states", "whole", "checked", "read")
+    __slots__ = ("offsets", "numbers", "kernels", "states", "whole_call", "checked", "read")
 
     def __init__(self, flat):
         self.offsets = flat.offsets
         self.numbers: dict[int, tuple[torch.Tensor, ...]] = {}  # blocks of step-number tensors (:meth:`steps`)
         self.kernels: tuple = (None, {})  # (settings token, {class of counts: (kernel, keywords, key)}): :meth:`kernel`
         self.states: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self.whole: tuple | None = None  # (operands, {op: argument lists}) of a step of the whole buffer
+        self.whole_call: tuple | None = None  # the call of a step of the whole buffer (:meth:`whole`)
         self.checked: tuple = (None, set())  # (settings token, blocks of counts whose scalars passed the range check)
         self.read: dict | None = None  # the gradients the last step read in place: {id: version}
 
@@ -214,7 +214,8 @@ class _Cache:
     def kernel(self, cls, group: dict[str, Any], settings, count: int) -> tuple[str, dict[str, Any], tuple]:
         """``cls.fused_kernel(group, count)`` and a key equal for equal calls, kept while the group's validated
         ``settings`` (the buffer's settings token) stay the same: the Adams' keywords depend on the count, and
-        most of a step's counts were met before."""
+        most of a step's counts were met before, or computed ahead by the range check of their block of counts
+        (``EngineMixin._counts_fit``), so a steady step finds its own."""
         if self.kernels[0] is not settings or len(self.kernels[1]) >= 4096:
             self.kernels = (settings, {})
         like = _alike(cls, count)
@@ -224,18 +225,26 @@ class _Cache:
             found = self.kernels[1][like] = (op, kwargs, (op, *kwargs.items()))
         return found
 
-    def whole_arguments(self, flat, names: tuple[str, ...], op: str) -> list:
-        """The argument lists of a kernel call over the whole buffer (kept while its tensors are the same)."""
-        operands = (flat.data, flat.grad, *[flat.states[n] for n in names])
-        whole = self.whole
-        if whole is None or len(whole[0]) != len(operands) or not all(map(operator.is_, whole[0], operands)):
-            whole = self.whole = (operands, {})
-        args = whole[1].get(op)
-        if args is None:
+    def whole(self, cls, group: dict[str, Any], flat, count: int) -> tuple:
+        """The kernel call over the whole buffer after ``count`` completed steps (the steady step): the keywords
+        of :meth:`kernel`, and the argument lists kept while the settings token, the kernel and the buffer's
+        tensors stay the same (identities: a few pointer comparisons a step), the step number put in place (a
+        view of :meth:`steps`' blocks)."""
+        settings = flat.settings
+        op, kwargs, _ = self.kernel(cls, group, settings, count)
+        kept = self.whole_call  # (settings, op, state names, data, grad, states, argument lists, whether steps follow)
+        if (kept is None or kept[0] is not settings or kept[1] != op or kept[3] is not flat.data
+                or kept[4] is not flat.grad or not all(map(operator.is_, kept[5], map(flat.states.get, kept[2])))):
+            names = cls.group_state_names(group)
+            states = tuple(flat.states[n] for n in names)
             n_states, has_steps = KERNELS[op]
-            states = [[t] for t in operands[2:]] + [[] for _ in range(n_states - len(names))]
-            args = whole[1][op] = [[flat.data], [flat.grad], *states] + ([[]] if has_steps else [])
-        return args
+            args = ([[flat.data], [flat.grad]] + [[t] for t in states] + [[] for _ in range(n_states - len(names))]
+                    + ([[]] if has_steps else []))
+            kept = self.whole_call = (settings, op, names, flat.data, flat.grad, states, args, has_steps)
+        args = kept[6]
+        if kept[7]:  # (SGD's kernel reads no step number)
+            args[-1] = [self._block(count >> 8)[count & 255]]
+        return getattr(torch, op), args, kwargs  # (looked up at each call, as every call of this module does)
 
     def state_views(self, flat, name: str) -> list[torch.Tensor]:
         tensor = flat.states[name]
@@ -271,16 +280,12 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None, members: list, co
     nothing but the kernels' outputs.
     """
     cls = type(opt)
-    names = cls.group_state_names(group)
     cache = _cache(flat)
     if not counts or None in counts or max(counts) > MAX_COUNT:
         return None
     if grads is None and len(members) == 1 and members[0][1] - members[0][0] == len(flat.params):  # the steady step
-        op, kwargs, _ = cache.kernel(cls, group, flat.settings, counts[0])
-        args = cache.whole_arguments(flat, names, op)
-        if KERNELS[op][1]:  # (SGD's kernel reads no step number)
-            args[-1] = cache.steps([counts[0]])
-        return [(getattr(torch, op), args, kwargs)]
+        return [cache.whole(cls, group, flat, counts[0])]
+    names = cls.group_state_names(group)
     if counts.count(counts[0]) == len(counts):  # one count (a single class): one call, one step tensor
         return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, flat.settings, counts[0]), members,
                                                    cache.steps(counts[:1]) * len(members))])

@@ -121,6 +121,9 @@ class StepCounter:
         """The maximal runs ``(first, stop)`` of parameters with a gradient at one count, in buffer order, and
         their counts (None: unknown on the host): what the fused kernels step, a range of the buffer each."""
         if self._classes is not None:
+            if len(self._classes) == 1:  # (one class: the steady step)
+                c = self._classes[0]
+                return ([(c.first, c.stop)], [c.count]) if c.active else ([], [])
             active = [c for c in self._classes if c.active]
             return [(c.first, c.stop) for c in active], [c.count for c in active]
         runs: list[tuple[int, int]] = []
@@ -281,6 +284,12 @@ class StepCounter:
             active = self._active
             counts = self._counts
             self._counts = [n + 1 for n in counts] if active is None else list(map(operator.add, counts, active))
+            return
+        if not gated and self._classes is not None and len(self._classes) == 1 and self._classes[0].count is not None:
+            c = self._classes[0]  # (one class at a host count: the steady step; nothing to rename or merge)
+            if c.active:
+                c.count += 1
+                c.key = ("n", c.count)
             return
         renamed: dict[Hashable, Hashable] = {}
         for c in self.classes:

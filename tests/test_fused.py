@@ -589,6 +589,36 @@ def test_a_copy_plans_its_first_step_from_scratch():
     assert twin._steady is None
 
 
+def test_the_repeat_runs_without_grad_and_gives_the_callers_grad_mode_back(monkeypatch):
+    """``step()`` sets the grad mode of ``torch.no_grad()`` around the repeat of a steady step itself (the
+    decorator cost a third of the repeat's host work): the kernel runs without grad, and the caller's mode,
+    enabled or not, is the same after the step, also when the kernel raises."""
+    real = torch._fused_adamw_
+    seen = []
+
+    def kernel(*args, fail=False, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        if fail:
+            raise RuntimeError("injected")
+        real(*args, **kwargs)
+
+    for enabled in (True, False):
+        opt = _steady_adamw()
+        monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+        repeats = []
+        opt._repeat = lambda repeat=opt._repeat: repeats.append("tried") or repeats.append(repeat()) or repeats[-1]
+        with torch.set_grad_enabled(enabled):
+            opt.step()
+            assert torch.is_grad_enabled() is enabled
+            monkeypatch.setattr(torch, "_fused_adamw_", lambda *args, **kwargs: kernel(*args, fail=True, **kwargs))
+            with pytest.raises(RuntimeError, match="injected"):
+                opt.step()
+            assert torch.is_grad_enabled() is enabled
+        assert repeats == ["tried", True, "tried"] and seen == [False, False], (repeats, seen)  # (the second raised)
+        monkeypatch.undo()
+        seen.clear()
+
+
 # -- checks="refs": every re-binding is seen -------------------------------------------------------------
 
 

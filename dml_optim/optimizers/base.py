@@ -44,6 +44,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.optim import Optimizer
 
+from dml_optim.compiled import _is_compiling
 from dml_optim.flat import describe_param
 from dml_optim.optimizers.contract import ContractMixin
 from dml_optim.optimizers.engine import EngineMixin
@@ -63,6 +64,10 @@ from dml_optim.options import (
 )
 
 __all__ = ["FlatOptimizer", "BufferInfo"]
+
+#: What ``torch.no_grad()`` reads and sets (C functions), for the repeat of a steady step (:meth:`FlatOptimizer.step`).
+_GRAD_ENABLED = torch.is_grad_enabled
+_SET_GRAD_ENABLED = torch._C._set_grad_enabled
 
 
 @dataclass(frozen=True)
@@ -336,11 +341,24 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
 
     # -- stepping -------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Perform one optimization step; ``closure`` re-evaluates the loss."""
-        if closure is None and self._steady is not None and self._repeat():
-            return None
+        if closure is None and self._steady is not None and not _is_compiling():
+            # the repeat of a steady step (engine._repeat) under the grad mode torch.no_grad() sets: set here
+            # directly, since the decorator costs about 3 us a call (a third of the repeat's own host work);
+            # while dynamo traces a step, the decorated full path runs and the trace sees torch.no_grad()
+            enabled = _GRAD_ENABLED()
+            _SET_GRAD_ENABLED(False)
+            try:
+                if self._repeat():
+                    return None
+            finally:
+                _SET_GRAD_ENABLED(enabled)
+        return self._step(closure)
+
+    @torch.no_grad()
+    def _step(self, closure: Callable[[], Any] | None):
+        """:meth:`step` when the last step cannot be repeated: settings, bindings, classes, plan, commit."""
         self._check_capture()
         loss = None
         if closure is not None:

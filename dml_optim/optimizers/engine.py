@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from dml_optim.backends import compiles, fuses, masked_runner, runner_for, tiers
-from dml_optim.compiled import _dispatch_mode_active, _is_compiling
+from dml_optim.compiled import _dispatch_mode_active
 from dml_optim.flat import _GRAD, FlatBuffer, describe_param
 from dml_optim.fused import kernel_scalars, reads_in_place, remember_read
 from dml_optim.fused import plan as plan_fused
@@ -243,27 +243,28 @@ class EngineMixin:
 
         After a plain step in which every buffer ran torch's fused kernel (the steady state of a training
         loop: :meth:`_repeatable`), the next step needs no layout work: it checks what could have changed
-        (each group's settings and frozen parameters, each buffer's bindings, a dispatch mode or a dynamo
-        trace) and then plans and commits exactly as :meth:`_run` does, through the same functions.  A
-        buffer whose gradients were all in their views of the flat buffer (or ``None``) must find them so
-        again (:meth:`FlatBuffer.check`); one whose gradients were read where they are (fresh tensors after
+        (each group's settings and frozen parameters, each buffer's bindings, a dispatch mode; :meth:`step`
+        asks for a repeat outside a dynamo trace only, under the grad mode ``torch.no_grad()`` sets) and then
+        plans and commits exactly as :meth:`_run` does, through the same functions.  A buffer whose gradients
+        were all in their views of the flat buffer (or ``None``) must find them so again
+        (:meth:`FlatBuffer.check`); one whose gradients were read where they are (fresh tensors after
         ``zero_grad(set_to_none=True)``, some of them ``None``) reads this step's the same way, after the
         same checks the full path makes of them (:meth:`_reads_again`).  Anything else takes the full path
         (False)."""
         flats = self._steady
-        if (_is_compiling() or _dispatch_mode_active() or getattr(self, "found_inf", None) is not None
-                or self.atomic):
+        if _dispatch_mode_active() or getattr(self, "found_inf", None) is not None or self.atomic:
             return False
         mode = self.checks
         work, planned = [], []
-        k = 0
+        n, k = len(flats), 0
+        repeated = False
         try:
             for group, layout in zip(self.param_groups, self._layout):
                 if (not _unchanged(group, layout.checked) or group["nonfinite"] != "propagate"
                         or (layout.frozen and self._unfrozen(group, layout))):
                     return False
                 for flat in layout.buffers:  # (settings validated anew since this buffer's last step: plan anew)
-                    if k >= len(flats) or flat is not flats[k] or flat.settings is not layout.checked:
+                    if k == n or flat is not flats[k] or flat.settings is not layout.checked:
                         return False
                     if flat.uses is not None:  # (the same parameters without a gradient: the same step classes)
                         if not flat.check(mode):
@@ -276,12 +277,13 @@ class EngineMixin:
                         return False
                     work.append((group, flat))
                     planned.append((group, flat, FUSED, None, None, None, calls))
-            if k != len(flats):
-                return False
+            repeated = k == n
         finally:
-            if len(planned) != len(flats) or k != len(flats):  # (not repeated, or raised: nothing of it stays)
+            if not repeated:  # (not repeated, or raised: nothing of it stays)
                 for flat in flats:
                     flat.pending = None
+        if not repeated:
+            return False
         self._commit(work, planned)
         return True
 
@@ -318,7 +320,8 @@ class EngineMixin:
         checked = flat.fused.checked  # (settings, {n // _AHEAD: the counts of that block passed under them})
         if checked[0] is not flat.settings:
             checked = flat.fused.checked = (flat.settings, set())
-        if set(map(_AHEAD.__rfloordiv__, counts)) <= checked[1]:  # (the constants were checked with the settings)
+        if (counts[0] // _AHEAD in checked[1] if len(counts) == 1  # (the constants were checked with the settings)
+                else set(map(_AHEAD.__rfloordiv__, counts)) <= checked[1]):
             return calls
         for n in sorted(set(counts)):
             if n // _AHEAD not in checked[1]:
@@ -344,22 +347,25 @@ class EngineMixin:
         limit = _LIMITS.get(cdtype) or _LIMITS.setdefault(cdtype, torch.finfo(cdtype).max)
         limit *= 1 - 1e-9  # (a margin for the tensor arithmetic's rounding; NaN fails every comparison)
         with _disable_current_modes():  # (host arithmetic on CPU tensors, not the step's work: no recorder sees it)
-            return self._counts_fit(group, first, n, limit, rule)
+            return self._counts_fit(group, flat, first, n, limit, rule)
 
-    def _counts_fit(self, group, first: int, n: int, limit: float, rule: bool) -> bool:
+    def _counts_fit(self, group, flat: FlatBuffer, first: int, n: int, limit: float, rule: bool) -> bool:
         cls = type(self)
         counts = torch.arange(first, first + n, dtype=torch.float64, device="cpu")  # (not a default device set)
         worst = []
         if rule:
             worst += [v.abs().max().item() if isinstance(v, torch.Tensor) else abs(v)
                       for v in cls.coefficients(group, counts + cls.step_offset).values()]
+        # the kernel's keywords through the buffer's cache (dml_optim.fused._Cache.kernel): the Adams' differ per
+        # count, and the steps that follow find the ones of their counts computed here
+        kernel = flat.fused.kernel
         if cls.fused_counts == "each":  # (its keywords differ per count: each with its own step number)
             for like in range(first, first + n):
-                op, kwargs = cls.fused_kernel(group, like)
+                op, kwargs, _ = kernel(cls, group, flat.settings, like)
                 worst.append(kernel_scalars(op, kwargs, like + 1.0))
         else:
             for like in dict.fromkeys((first, first + n - 1)):
-                op, kwargs = cls.fused_kernel(group, like)
+                op, kwargs, _ = kernel(cls, group, flat.settings, like)
                 worst.append(kernel_scalars(op, kwargs, counts + 1))
         return all(w <= limit for w in worst)
 
@@ -476,9 +482,9 @@ class EngineMixin:
                     "or construct the optimizer with atomic=True to roll failed steps back."
                 )
             raise
+        gated = [entry[1] for entry in planned if entry[3] is not None]  # (the buffers whose step the device gated)
         for group, flat in work:
-            gated = group["capturable"] or any(f is not None for g, fl, _, f, _, _, _ in planned if fl is flat)
-            flat.counter.advance(gated)
+            flat.counter.advance(group["capturable"] or flat in gated)
             if group["capturable"]:
                 flat.counter.forget_host_counts()
 
