@@ -119,7 +119,8 @@ def fuses(opt, group: dict[str, Any], flat) -> bool:
         return False
     token = (flat.settings, flat.dtype, flat.device, flat.bits)
     cached = _FUSABLE.get(flat)
-    if cached is None or flat.settings is None or cached[0] != token:
+    # (the settings token by identity, as everywhere: its values may be tensors, which == compares element-wise)
+    if cached is None or flat.settings is None or cached[0][0] is not token[0] or cached[0][1:] != token[1:]:
         cached = (token, _fused.unsupported(opt, group, flat))
         if flat.settings is not None:
             _FUSABLE[flat] = cached

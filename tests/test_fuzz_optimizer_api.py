@@ -307,6 +307,31 @@ def test_a_state_dict_with_an_integer_beyond_float_range_is_refused_without_dama
     assert_same(before, snapshot(ps, opt))
 
 
+@pytest.mark.parametrize("cls", [Adam, Adagrad, Momentum, DmlAdam], ids=lambda c: c.__name__)
+def test_a_group_value_holding_a_tensor_changes_no_step(cls):
+    # found by the fuzz test: DmlAdam loading decoupled_weight_decay=tensor([1., 2.]) (a torch.optim key it keeps),
+    # and any group key set to a tensor of two elements, made the fused backend's cache compare the group's
+    # settings element-wise, so every following step raised; the steps must equal a twin's without the key
+    ps, opt = _trained(cls)
+    twin_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    kw = {Momentum: dict(alpha=0.9)}.get(cls, {})
+    twin = cls([{"params": twin_ps[:1]}, {"params": twin_ps[1:], "lr": 0.02}], lr=0.01, **kw)
+    twin.load_state_dict(opt.state_dict())
+    if cls is DmlAdam:
+        sd = opt.state_dict()
+        sd["param_groups"][1]["decoupled_weight_decay"] = torch.tensor([1.0, 2.0])
+        opt.load_state_dict(sd)
+    for _ in range(3):
+        opt.param_groups[0]["note"] = torch.tensor([1.0, 2.0])  # (a new tensor every step: compared by value)
+        for p, q in zip(ps, twin_ps):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+        for p, q in zip(ps, twin_ps):
+            assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("bits", [torch.ones(2), torch.tensor(8), True, 8.5, "8"], ids=repr)
 def test_a_state_dict_with_an_odd_state_bits_is_refused_without_damage(bits):
     # found by the fuzz test: a tensor state_bits made `bits in (None, 8, 4)` raise RuntimeError mid-load
