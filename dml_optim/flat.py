@@ -437,7 +437,7 @@ class FlatBuffer:
         if uses is None:
             return False
         stored = self._storages  # (the storages' handles: :meth:`_handles`, inlined while data and grad stay)
-        if stored[0] is not self.data or stored[1] is not self.grad:
+        if not stored or stored[0] is not self.data or stored[1] is not self.grad:
             stored = self._handles()
         if (_USE_COUNT(stored[2]), _USE_COUNT(stored[3])) != uses:
             return False
