@@ -433,13 +433,7 @@ class FlatBuffer:
         same buffer (``p1.data = p2.data``); ``"fast"`` compares the first and last parameter's.
         Staged buffers always re-read their shards (never in the recorded state: diagnosed every step).
         """
-        uses = self.uses
-        if uses is None:
-            return False
-        stored = self._storages  # (the storages' handles: :meth:`_handles`, inlined while data and grad stay)
-        if not stored or stored[0] is not self.data or stored[1] is not self.grad:
-            stored = self._handles()
-        if (_USE_COUNT(stored[2]), _USE_COUNT(stored[3])) != uses:
+        if self.uses is None or self._use_counts() != self.uses:
             return False
         if self.absent:  # (parameters without a gradient still without one: a fresh tensor shows in no count)
             with _FAST_ATTRIBUTES():
