@@ -5,7 +5,7 @@ Usage::
     python bench/long_run_fp16.py [--steps 20000] [--seed 0] [--batch-size 128]
                                   [--configs fp32,fp16-master,fp16-kahan,fp16-storage,fp32-8bit,...] [--out FILE]
 
-Trains the built-in model (``dml_optim.toy``: 10-arm spiral, MLP 32-128-128-10)
+Trains the built-in model (``dml_optim.job.toy``: 10-arm spiral, MLP 32-128-128-10)
 with the same seed, the same initial weights (cast) and the same mini-batches
 in each configuration, and compares the final training loss (mean
 cross-entropy over the whole training set, evaluated in float32 arithmetic so
@@ -19,7 +19,7 @@ epsilon 1e-6):
   float16 model (forward and backward in float16), ``Adam(master_weights=True)``
   (float32 master weights, float32 moments, float32 arithmetic: epsilon 1e-6
   does not underflow, the second moment does not flush, updates below half an
-  FP16 ULP accumulate in the master copy) and ``dml_optim.amp.DynamicLossScaler``
+  FP16 ULP accumulate in the master copy) and ``dml_optim.training.amp.DynamicLossScaler``
   (gradients of the float16 backward scaled into range; an overflow step is
   skipped exactly on the device).  The loss is computed in float32 from the
   float16 logits.
@@ -67,8 +67,8 @@ import torch
 import torch.nn.functional as F
 
 import dml_optim
-from dml_optim import toy
-from dml_optim.amp import DynamicLossScaler
+from dml_optim.job import toy
+from dml_optim.training.amp import DynamicLossScaler
 from dml_optim.console import DEFAULT_OUTPUT_DIR
 
 #: Tolerance on the final training loss of ``fp16-master`` against ``fp32`` (see the docstring).

@@ -10,9 +10,9 @@ ops per step.
 
 __version__ = "0.1.0"
 
-from dml_optim import functional
-from dml_optim.amp import DynamicLossScaler
-from dml_optim.clip import clip_grad_norm_
+from dml_optim.core import functional
+from dml_optim.training.amp import DynamicLossScaler
+from dml_optim.training.clip import clip_grad_norm_
 from dml_optim.dml.device import device
 from dml_optim.optimizers import SGD, Adagrad, Adam, AdamW, DmlAdam, FlatOptimizer, Momentum
 from dml_optim.optimizers.registry import OPTIMIZERS

@@ -10,7 +10,7 @@ synchronisations and new allocations it makes.
 
 Counting rules (what :class:`AuditReport` reports):
 
-* **ops**: :mod:`dml_optim.opcount`'s definition, shared with the
+* **ops**: :mod:`dml_optim.core.opcount`'s definition, shared with the
   benchmarks: every aten op that reaches the dispatcher below autograd and
   does work; view ops (``slice.Tensor``, ``view``, ``detach``: metadata only)
   are counted apart as ``views``; ops outside the ``aten`` namespace
@@ -61,7 +61,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from dml_optim.dml.dispatch import Resolver, foreach_element_op, overload_of, to_meta
-from dml_optim.opcount import OpRecorder, is_view
+from dml_optim.core.opcount import OpRecorder, is_view
 
 __all__ = [
     "AuditReport",
@@ -135,7 +135,7 @@ class _Event:
 
 
 class _Recorder(OpRecorder):
-    """The shared op recorder (:mod:`dml_optim.opcount`), plus what the audit needs: the
+    """The shared op recorder (:mod:`dml_optim.core.opcount`), plus what the audit needs: the
     storages of each op's first operand, foreach ops per tensor, and allocations."""
 
     def __init__(self, known_storages: set[int]):
@@ -255,7 +255,7 @@ class AuditReport:
         ops: ``(op, count, resolution)`` for the ops run on the parameters'
             device, most frequent first (foreach ops as their per-tensor op).
         total_ops: sum of the counts in ``ops``: kernels dispatched per step on DirectML
-            (:mod:`dml_optim.opcount`'s definition: views excluded).
+            (:mod:`dml_optim.core.opcount`'s definition: views excluded).
         views: view ops (metadata only, no kernel), counted apart.
         fallbacks: ``(op, count)`` of the ops that fall back to the CPU on DirectML.
         host_syncs: ops that wait for the device (see :data:`HOST_SYNC_OPS`).
@@ -399,7 +399,7 @@ def _refuse_compiled(optimizer) -> None:
     if not isinstance(optimizer, FlatOptimizer):
         return
     try:
-        from dml_optim.backends import resolved_backends
+        from dml_optim.backends.choose import resolved_backends
     except ImportError:  # pragma: no cover - a backends module without it compiles nothing
         return
     if any(b == "compiled" for names in resolved_backends(optimizer) for b in names):

@@ -15,19 +15,12 @@ import os
 import sys
 from typing import Sequence
 
+from dml_optim.commands import UsageError
+
 __all__ = ["main", "build_parser", "UsageError", "COMMANDS"]
 
 #: Subcommands in the order ``--help`` lists them.
 COMMANDS = ("train", "info", "validate", "audit", "compare", "bench")
-
-
-class UsageError(Exception):
-    """A bad command-line value found after parsing: one line on stderr, exit status 2.
-
-    Every subcommand raises it for a usage error found after argparse: a bad
-    value, an unusable device, an unknown model, an output path it cannot
-    write.  The message names the argument and the value.
-    """
 
 
 class _Parser(argparse.ArgumentParser):

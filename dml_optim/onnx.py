@@ -1,4 +1,4 @@
-"""Run ONNX ``ai.onnx.preview.training`` optimizer nodes through :mod:`dml_optim.functional`.
+"""Run ONNX ``ai.onnx.preview.training`` optimizer nodes through :mod:`dml_optim.core.functional`.
 
 ``run_node(node, inputs)`` executes one ``NodeProto`` of ``Adagrad``,
 ``Momentum`` or ``Adam`` (domain ``ai.onnx.preview.training``, version 1)
@@ -18,7 +18,7 @@ Attributes and their defaults are the operator schemas' (``onnx/defs/training/de
   ``norm_coefficient=0``, ``norm_coefficient_post=0``.
 
 Attributes are FLOAT (float32) in ONNX, defaults included, so every numeric
-attribute reaches :mod:`dml_optim.functional` as its float32 value (``0.9`` is
+attribute reaches :mod:`dml_optim.core.functional` as its float32 value (``0.9`` is
 ``0.8999999761581421``), whether the node sets it or not.
 
 .. warning:: ONNX ``Adam`` adds ``epsilon`` to the *uncorrected*
@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from dml_optim import functional
+from dml_optim.core import functional
 
 __all__ = ["DOMAIN", "OP_TYPES", "run_node"]
 
@@ -163,7 +163,7 @@ def run_node(node, inputs: Sequence[Any], device: torch.device | str | None = No
             count that does not fit the operator.
         TypeError: ``node`` is not a ``NodeProto``, or an input has an unusable
             type.  Invalid values (shapes, dtypes, hyperparameters) raise
-            what :mod:`dml_optim.functional` raises.
+            what :mod:`dml_optim.core.functional` raises.
     """
     onnx = _import_onnx()
     if not isinstance(node, onnx.NodeProto):

@@ -1,6 +1,6 @@
 """Data-parallel training with dml_optim under torch.distributed (DDP, optionally ZeRO).
 
-Trains the built-in toy classifier (:mod:`dml_optim.toy`) with
+Trains the built-in toy classifier (:mod:`dml_optim.job.toy`) with
 ``DistributedDataParallel``.  Every rank draws the same shuffled order of the
 training set; each global batch is split across ranks like
 ``DistributedSampler`` does (rank ``r`` takes rows ``r::world_size``), and DDP
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import dml_optim
-from dml_optim import toy
-from dml_optim.distributed import load_zero_state_dict, zero_state_dict
+from dml_optim.job import toy
+from dml_optim.training.distributed import load_zero_state_dict, zero_state_dict
 
 #: --optimizer name -> (class, keyword arguments).
 OPTIMIZERS = {

@@ -6,7 +6,7 @@ update (docs/design.md, §2, "Equivalences used as test oracles"):
 * ``Momentum(alpha)`` is ``SGD(momentum=alpha)``: compared bit for bit with the torch
   implementation our default backend equals where the optimizer steps (:func:`torch_twin`): on
   the CPU, for float32/float64 parameters, torch's fused kernel (``SGD(fused=True)``), which
-  ``backend="auto"`` runs there (dml_optim/fused.py); elsewhere (float16/bfloat16, CUDA) torch's
+  ``backend="auto"`` runs there (dml_optim/backends/fused.py); elsewhere (float16/bfloat16, CUDA) torch's
   default implementation, whose two ops our eager chain runs;
 * ``Adam(epsilon=0)`` and ``DmlAdam(epsilon=0)`` are ``Adam(eps=0)``; the bias correction is
   computed in another order, so float32 results differ by a few ulps (``TORCH_ADAM_FLOAT32``);
@@ -45,7 +45,7 @@ def need(module: str):
 
 
 #: The parameters' dtypes for which dml_optim's default backend runs torch's fused CPU kernels
-#: (dml_optim/fused.py; float16/bfloat16 run the eager chain).
+#: (dml_optim/backends/fused.py; float16/bfloat16 run the eager chain).
 FUSED_DTYPES = (torch.float32, torch.float64)
 
 

@@ -22,7 +22,7 @@ optimizer variant x dtype x backend x device:
 
 * backend: ``eager``; ``compiled`` is marked ``slow`` and skipped, with the
   reason, where inductor is unavailable (``compile_available``); ``fused``
-  (torch's fused CPU kernels on the flat buffers, ``dml_optim/fused.py``):
+  (torch's fused CPU kernels on the flat buffers, ``dml_optim/backends/fused.py``):
   CPU only, float32/float64, and only the variants whose hyperparameters
   (both param groups) the kernel takes (:meth:`Case.fuses`: not ONNX Adam's
   ``norm_coefficient_post``); :func:`cases` leaves the other combinations out
@@ -56,7 +56,7 @@ import numpy as np
 import pytest
 import torch
 
-from dml_optim.compiled import compile_available
+from dml_optim.backends.compiled import compile_available
 from dml_optim.optimizers import registry
 from reference import numpy_ref as ref
 

@@ -165,7 +165,7 @@ def test_float16_gradients_are_unscaled_in_our_step_without_a_warning(pair):
 
 
 @pytest.mark.xfail(strict=True, reason="the gated step rounds its coefficients to float16 (see GATED_FLOAT16): "
-                                       "a library fix in dml_optim/functional.py makes this pass; then drop the mark")
+                                       "a library fix in dml_optim/core/functional.py makes this pass; then drop the mark")
 @pytest.mark.parametrize("pair", FP16_PAIRS, ids=FP16_IDS)
 def test_float16_gradscaler_step_is_bit_identical_to_torch(pair):
     """What torch.optim's semantics give and our ungated float16 step already gives: bit equality."""

@@ -9,7 +9,7 @@ Two kinds of failure inside ``step()``:
 * a failure injected in the middle of the update, after some flat buffers,
   runs of parameters, or chunks of a chunked-precision update were already
   written (the rule is wrapped to raise after its n-th call, or
-  ``dml_optim.functional.adam_`` is patched).  Evidence, measured here: with
+  ``dml_optim.core.functional.adam_`` is patched).  Evidence, measured here: with
   the default ``atomic=False`` such a failure leaves the step half done (the
   exception gets a note saying so); with ``atomic=True`` parameters, states,
   gradients and step counters (host and device) are restored bit-exactly and
@@ -22,7 +22,7 @@ the rule is what ``fail_after`` wraps); the worlds fix their own dtypes
 
 The ``fused`` backend (the default on the CPU for float32 and float64
 buffers) never calls the rule: it calls torch's fused kernel
-(``dml_optim.fused``), which :func:`fail_fused_after` wraps instead (the plan
+(``dml_optim.backends.fused``), which :func:`fail_fused_after` wraps instead (the plan
 looks the kernel up on ``torch`` when it plans a step, so patching
 ``torch._fused_adamw_`` and the others reaches it), with the same evidence:
 rolled back bit-exactly with ``atomic=True``, a note without.
@@ -36,9 +36,9 @@ import sys
 import pytest
 import torch
 
-import dml_optim.functional
+import dml_optim.core.functional
 import dml_optim.optimizers.engine as engine
-from dml_optim.backends import resolved_backends
+from dml_optim.backends.choose import resolved_backends
 from introspect import buffers, runs_in_chunks
 from matrix import Case, case_of, classes
 from test_bad_inputs import assert_same, make_params, new_grads, snapshot
@@ -211,10 +211,10 @@ def test_injected_failure_without_atomic_is_partial_and_says_so(world, monkeypat
 
 
 def test_failure_inside_functional_adam_is_rolled_back(monkeypatch):
-    """Patch the math itself (``dml_optim.functional.adam_``), not the optimizer's hook."""
+    """Patch the math itself (``dml_optim.core.functional.adam_``), not the optimizer's hook."""
     ps, opt = buffers_world(ADAM, atomic=True)
     assert {b for g in resolved_backends(opt) for b in g} == {"eager"}  # (the fused kernel is not adam_)
-    real = dml_optim.functional.adam_
+    real = dml_optim.core.functional.adam_
     calls = []
 
     def adam_(*args, **kwargs):
@@ -223,7 +223,7 @@ def test_failure_inside_functional_adam_is_rolled_back(monkeypatch):
         if len(calls) == 2:
             raise MemoryError("injected out-of-memory")
 
-    monkeypatch.setattr(dml_optim.functional, "adam_", adam_)
+    monkeypatch.setattr(dml_optim.core.functional, "adam_", adam_)
     before = snapshot(ps, opt)
     with pytest.raises(MemoryError):
         opt.step()

@@ -218,7 +218,7 @@ def test_compiled_backend_is_refused():
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.ones(3)
     opt = dml_optim.Adam([p], backend="compiled")
-    from dml_optim.backends import resolved_backends
+    from dml_optim.backends.choose import resolved_backends
 
     if resolved_backends(opt) != [["compiled"]]:
         pytest.skip("torch.compile is unavailable here, so nothing compiles (the refusal cannot trigger)")

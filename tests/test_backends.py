@@ -1,4 +1,4 @@
-"""The eager, compiled and fused backends (dml_optim/backends.py, dml_optim/compiled.py, dml_optim/fused.py).
+"""The eager, compiled and fused backends (dml_optim/backends/choose.py, dml_optim/backends/compiled.py, dml_optim/backends/fused.py).
 
 Every optimizer's agreement with the float64 reference, eager and compiled,
 with a learning rate that changes every step, is the test matrix's
@@ -23,9 +23,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import dml_optim
-from dml_optim import backends, compiled
-from dml_optim.compiled import CompileFallbackWarning
-from dml_optim.opcount import OpRecorder
+from dml_optim.backends import choose as backends, compiled
+from dml_optim.backends.compiled import CompileFallbackWarning
+from dml_optim.core.opcount import OpRecorder
 from introspect import buffers
 from matrix import ENTRIES, case_of, classes
 from tolerances import TOL, assert_close
@@ -237,7 +237,7 @@ def test_auto_is_eager_for_small_buffers_and_directml():
         backends.resolve("fast", "cpu", 10)
 
 
-#: Settings under which torch's fused kernel cannot run a CPU buffer (``dml_optim.fused.unsupported``):
+#: Settings under which torch's fused kernel cannot run a CPU buffer (``dml_optim.backends.fused.unsupported``):
 #: ``auto`` chooses between eager and compiled for them as before the fused backend.
 #: (optimizer, parameter dtype, options)
 NOT_FUSED = {
@@ -257,7 +257,7 @@ NOT_FUSED = {
 def _not_fused(which: str, **extra):
     """An optimizer of ``NOT_FUSED[which]`` (backend="auto") over three parameters, with gradients (quantized:
     large enough to get quantized states)."""
-    from dml_optim.quant import MIN_ELEMENTS
+    from dml_optim.core.quant import MIN_ELEMENTS
 
     name, dtype, options = NOT_FUSED[which]
     numel_each = MIN_ELEMENTS if "state_bits" in options else 33

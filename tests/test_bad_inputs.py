@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from dml_optim import Adam
-from dml_optim.quant import QuantizedState
+from dml_optim.core.quant import QuantizedState
 from dml_optim.optimizers import registry
 from matrix import ENTRIES, cases
 

@@ -17,14 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from dml_optim import benchmark, compiled
+from dml_optim import benchmark
+from dml_optim.backends import compiled
 from dml_optim.benchmark import construction, frozen, nonepattern
 from dml_optim.benchmark.candidates import AUTO
 from dml_optim.benchmark.run import Task, not_measured
 from dml_optim.benchmark.speed import ROW_FIELDS
 from dml_optim.benchmark.workloads import FROZEN_PREFIXES, lora, unfreezing
 from dml_optim.cli import main
-from dml_optim.opcount import count_ops
+from dml_optim.core.opcount import count_ops
 from dml_optim.optimizers.registry import get
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -775,7 +776,7 @@ def test_the_fused_candidate_says_why_it_cannot_run():
 def test_auto_backend_names_what_auto_runs():
     """On the CPU, float32 and float64 with plain states: torch's fused kernel, whatever the size; otherwise the
     backend ``auto`` resolves to by size (CUDA: eager or compiled), as before the fused backend."""
-    from dml_optim.backends import resolve
+    from dml_optim.backends.choose import resolve
     from dml_optim.benchmark.candidates import auto_backend
 
     cpu = torch.device("cpu")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dml_optim
-from dml_optim.opcount import count_ops
+from dml_optim.core.opcount import count_ops
 from tolerances import assert_close
 
 NORMS = [2.0, 1.0, math.inf]

@@ -9,7 +9,7 @@ those against single-process runs over the same global batches:
 * ``ddp-bucket``: ``gradient_as_bucket_view=True`` (``p.grad`` becomes a view
   of DDP's bucket; ``step()`` gathers it into the flat gradient buffer);
 * ``zero``: DDP + ``ZeroRedundancyOptimizer(optimizer_class=<ours>)``, with a
-  checkpoint consolidated on rank 0 mid-run (``dml_optim.distributed.zero_state_dict``),
+  checkpoint consolidated on rank 0 mid-run (``dml_optim.training.distributed.zero_state_dict``),
   resumed both by a fresh ZeRO on both ranks (``load_zero_state_dict``) and by a
   plain single-process optimizer;
 * for Adam only (the mechanisms do not depend on the optimizer): the optimizer
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from _distributed import gloo_missing, run_job
 
 import dml_optim
-from dml_optim import toy
-from dml_optim.options import OPTION_NAMES
+from dml_optim.job import toy
+from dml_optim.core.options import OPTION_NAMES
 
 WORLD = 2
 STEPS = 6           # optimizer steps per run
@@ -116,7 +116,7 @@ def _save(out: Path, tag: str, rank: int, model) -> None:
 def _worker(rank: int, world: int, port: int, out: Path) -> None:
     import torch.distributed as dist
 
-    from dml_optim.distributed import load_zero_state_dict, zero_state_dict
+    from dml_optim.training.distributed import load_zero_state_dict, zero_state_dict
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     batches = global_batches()
@@ -324,7 +324,7 @@ if __name__ != "__main__":
         assert saved["step"] == 60 and sorted(saved["optimizer"]["state"]) == list(range(6))
 
     def test_helpers_reject_a_non_zero_optimizer():
-        from dml_optim.distributed import load_zero_state_dict, zero_state_dict
+        from dml_optim.training.distributed import load_zero_state_dict, zero_state_dict
 
         opt = dml_optim.Adam(make_model().parameters())
         with pytest.raises(TypeError, match="ZeroRedundancyOptimizer, got Adam"):
@@ -347,7 +347,7 @@ if __name__ != "__main__":
         """A checkpoint of another layout is refused and leaves the shard's state as it was."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        from dml_optim.distributed import load_zero_state_dict, zero_state_dict
+        from dml_optim.training.distributed import load_zero_state_dict, zero_state_dict
 
         model = make_model()
         zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=dml_optim.Adam, lr=1e-2)
@@ -371,7 +371,7 @@ if __name__ != "__main__":
         checkpoint loads as a torch.optim one (betas -> alpha, beta; weight_decay -> norm_coefficient)."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        from dml_optim.distributed import load_zero_state_dict
+        from dml_optim.training.distributed import load_zero_state_dict
 
         def zero(cls, **kwargs):
             return ZeroRedundancyOptimizer(make_model().parameters(), optimizer_class=cls, **kwargs)

@@ -15,7 +15,7 @@ Required behaviour (issue "Frozen and intermittently trained parameters"):
   re-packing classes that ``None`` gradients left in pieces (one ``cat`` and
   one copy per flat tensor; one gather and one zeroing of the slots of
   ``None`` gradients).  The CPU's default (``auto``: torch's fused kernel on
-  the flat buffer, ``dml_optim/fused.py``) has its own count,
+  the flat buffer, ``dml_optim/backends/fused.py``) has its own count,
   :data:`FUSED_STEP_OPS` a step whatever the runs of ``None`` gradients;
 * torch.optim's semantics stay exact: a parameter without a gradient keeps its
   state and its step count.
@@ -37,8 +37,8 @@ from tolerances import TORCH_ADAM_FLOAT32, assert_close
 from torch import nn
 
 import dml_optim
-from dml_optim import backends
-from dml_optim.opcount import OpRecorder, count_ops
+from dml_optim.backends import choose as backends
+from dml_optim.core.opcount import OpRecorder, count_ops
 from introspect import buffers
 
 # -- optimizer pairs (ours, torch.optim twin written by hand) ---------------------------------
@@ -48,7 +48,7 @@ from introspect import buffers
 #: kernels (the twin of our fused backend, which runs the same kernels: equal bit for bit)
 SINGLE_TENSOR = dict(foreach=False)
 FUSED = dict(fused=True)
-#: Ops of a step of a buffer that runs torch's fused kernel with one step count (``dml_optim.fused.run``):
+#: Ops of a step of a buffer that runs torch's fused kernel with one step count (``dml_optim.backends.fused.run``):
 #: one kernel call, whatever the runs of ``None`` gradients (the step numbers are read from tensors made
 #: once per 256 counts, outside the step's work: nothing is written but the kernel's outputs).
 FUSED_STEP_OPS = 1
@@ -397,7 +397,7 @@ def test_unfrozen_parameter_gets_fresh_state_and_others_keep_theirs():
 
 def _mask_on_cpu(monkeypatch) -> None:
     """Make the CPU take masked updates, as DirectML and CUDA do (on the CPU one update per run is faster)."""
-    from dml_optim import backends
+    from dml_optim.backends import choose as backends
     from dml_optim.optimizers import engine
 
     monkeypatch.setattr(engine, "MASKED_DEVICES", (*engine.MASKED_DEVICES, "cpu"))
@@ -559,7 +559,7 @@ def test_fused_ops_per_step_do_not_grow_with_none_gradient_runs(size):
     or 10 runs of parameters with a gradient at one step count, every step is one kernel call, plus, for small parameters, the gather of the fresh gradients (one ``cat`` and the
     zero it reads for the None slots); parameters of ``LIST_MIN_ELEMENTS`` elements have their fresh
     gradients read where they are (no gather: ``p.grad`` stays the caller's tensor)."""
-    from dml_optim.fused import LIST_MIN_ELEMENTS
+    from dml_optim.backends.fused import LIST_MIN_ELEMENTS
 
     in_place = size == "in-place"
     counts = {}
@@ -872,7 +872,7 @@ def test_changing_none_patterns_step_in_place_per_run_on_the_cpu_and_equal_torch
     """On the CPU, parameters at several step counts under a pattern of ``None`` gradients that changes
     every step take one update per run of parameters at one count, in the buffer's order (no re-pack),
     within the op bound of the distinct counts, and equal torch.optim at every step."""
-    from dml_optim.compiled import compile_available
+    from dml_optim.backends.compiled import compile_available
 
     if backend == "compiled" and not compile_available("cpu")[0]:
         pytest.skip(f"torch.compile unavailable on this CPU: {compile_available('cpu')[1]}")
@@ -896,7 +896,7 @@ def test_changing_none_patterns_step_once_in_place_and_equal_torch(pair, backend
     the buffer keeps its parameter order (no re-pack), the op count of a step is the same whatever the
     pattern (eager; compiled: the rule is one kernel), and parameters and states equal torch.optim's
     at every step."""
-    from dml_optim.compiled import compile_available
+    from dml_optim.backends.compiled import compile_available
 
     if backend == "compiled" and not compile_available("cpu")[0]:
         pytest.skip(f"torch.compile unavailable on this CPU: {compile_available('cpu')[1]}")
@@ -929,8 +929,8 @@ def test_auto_compiles_the_masked_update_of_a_large_buffer(monkeypatch):
     """``backend="auto"`` runs the masked update of a buffer (one torch's fused kernel cannot run) from
     ``AUTO_COMPILE_MIN_ELEMENTS_MASKED`` on as one compiled kernel (CUDA's policy, given to the CPU here),
     equal to the eager masked update."""
-    from dml_optim import compiled
-    from dml_optim.backends import AUTO_COMPILE_MIN_ELEMENTS_MASKED
+    from dml_optim.backends import compiled
+    from dml_optim.backends.choose import AUTO_COMPILE_MIN_ELEMENTS_MASKED
 
     if not compiled.compile_available("cpu")[0]:
         pytest.skip(f"torch.compile unavailable on this CPU: {compiled.compile_available('cpu')[1]}")

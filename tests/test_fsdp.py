@@ -18,7 +18,7 @@ buffer sizes against the local shards, the types of the state tensors) to files;
 compare them here.  The reference for "FSDP itself is right" is one process training on
 both ranks' batches at once.
 
-Momentum's default backend runs torch's fused SGD kernel on the CPU (dml_optim/fused.py), here on
+Momentum's default backend runs torch's fused SGD kernel on the CPU (dml_optim/backends/fused.py), here on
 each rank's local shards, which torch.optim cannot do on DTensor parameters (no sharding strategy
 for ``aten._fused_sgd_``): its SGD runs the for-loop ops, a last-place rounding apart, so
 ``momentum`` is compared to the tolerance.  ``momentum-eager`` (``backend="eager"``, the same two

@@ -1,4 +1,4 @@
-"""Bad inputs to the public functions of ``dml_optim.functional``, as a table.
+"""Bad inputs to the public functions of ``dml_optim.core.functional``, as a table.
 
 Each case builds fresh arguments, calls the function and checks: the exception
 type, that the message names the offending argument (and, where useful, the
@@ -16,7 +16,7 @@ from typing import Callable
 import pytest
 import torch
 
-from dml_optim import functional as F
+from dml_optim.core import functional as F
 
 # Valid hyperparameters per function; a case overrides one of them.
 HYPER = {

@@ -1,4 +1,4 @@
-"""Property tests (hypothesis) of ``dml_optim.functional`` against two independent oracles.
+"""Property tests (hypothesis) of ``dml_optim.core.functional`` against two independent oracles.
 
 * ``tests/reference/numpy_ref.py``: float64 NumPy transcriptions of docs/design.md §2.
 * ``onnx.reference.ReferenceEvaluator`` running a one-node model of the ONNX op.
@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
-from dml_optim import functional as F
+from dml_optim.core import functional as F
 from reference import numpy_ref as ref
 
 onnx = pytest.importorskip("onnx", reason="the onnx extra is not installed (pip install dml-optim[onnx])")

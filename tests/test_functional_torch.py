@@ -1,6 +1,6 @@
 """The ``torch.optim`` equivalences of docs/design.md §2, used as independent oracles.
 
-Each test runs ``dml_optim.functional`` and a ``torch.optim`` optimizer side by
+Each test runs ``dml_optim.core.functional`` and a ``torch.optim`` optimizer side by
 side for 25 steps on the same random gradients, in float64, and compares the
 parameters (and, where torch keeps the same quantity, the state) after every
 step.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dml_optim import functional as F
+from dml_optim.core import functional as F
 from tolerances import TOL
 
 STEPS = 25

@@ -1,6 +1,6 @@
 """The fused backend's own properties, the steady-state repeat of a step, and ``checks="refs"``.
 
-The fused backend (dml_optim/fused.py) calls torch's fused CPU kernels on the flat buffers; its
+The fused backend (dml_optim/backends/fused.py) calls torch's fused CPU kernels on the flat buffers; its
 results are held to torch.optim's ``fused=True`` twin (the same kernel: equal but for the elements
 its scalar tail computes in one layout and its vector loop in the other, 1 ulp per step: see
 :data:`TWIN`) and to the float64 references in the matrix tests (tests/test_optimizers.py).  Here: what is particular to it (where it runs and
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import dml_optim
-from dml_optim import fused
-from dml_optim.backends import resolved_backends
-from dml_optim.opcount import OpRecorder
+from dml_optim.backends import fused
+from dml_optim.backends.choose import resolved_backends
+from dml_optim.core.opcount import OpRecorder
 from dml_optim.optimizers.base import FlatOptimizer
 from introspect import buffers
 
@@ -699,7 +699,7 @@ def test_the_checks_see_every_rebinding_and_the_steps_stay_torchs(rebind, checks
 def test_refs_is_o1_a_steady_step_reads_no_parameter(checks, monkeypatch):
     """``checks="refs"`` reads two use counts per buffer, no parameter: a step over 2,000 parameters reads
     no data pointer and no ``.grad`` of any of them (the default ``"full"`` reads each once)."""
-    from dml_optim import flat as flat_module
+    from dml_optim.core import flat as flat_module
 
     ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(2000)]
     opt = dml_optim.SGD(ps, lr=0.1, momentum=0.9, checks=checks)

@@ -3,7 +3,7 @@ bit for bit against torch.optim's ``fused=True`` twin.
 
 On the CPU our default backend (``"auto"`` -> ``"fused"``) calls torch's own fused kernels
 (``torch._fused_adamw_``, ``_fused_adagrad_``, ``_fused_sgd_``) on views of our flat buffers
-(dml_optim/fused.py), so under every re-binding a training loop makes between steps the parameters must
+(dml_optim/backends/fused.py), so under every re-binding a training loop makes between steps the parameters must
 stay *equal* to torch.optim's with ``fused=True`` (``torch.equal``), not merely close.  A hypothesis
 ``RuleBasedStateMachine`` drives three optimizers over three copies of the same parameters (float32, the
 same seeded values):
@@ -42,7 +42,7 @@ re-binding anything: the step counts where torch keeps one, SGD keeps none, and 
 
 The parameters: 4-8 tensors, 2-4 of 16k-40k elements and 2-4 small ones, in random order, some 2-d, so
 that a step reads fresh gradients where they are (the parameters with a gradient average
-``dml_optim.fused.LIST_MIN_ELEMENTS`` elements or more) or gathers them into the flat buffer (smaller
+``dml_optim.backends.fused.LIST_MIN_ELEMENTS`` elements or more) or gathers them into the flat buffer (smaller
 ones, non-contiguous ones, and every gradient something wrote into since the last step read it), as the
 random subsets of ``backward`` make it.  The test asserts that the repeat and both paths ran.
 
@@ -56,7 +56,7 @@ Where "bit for bit" cannot hold, and what the comparison does there:
   size is not a multiple of the vector width can be in the tail in one and in the vector loop in the
   other.  Which of the two paths ours takes can even differ between ``ours`` and ``plain``: whether a
   gradient was "written into since the last step read it" is told by ``id`` and version counter
-  (``dml_optim.fused.reads_in_place``), and a new tensor that gets a freed one's ``id`` can read as
+  (``dml_optim.backends.fused.reads_in_place``), and a new tensor that gets a freed one's ``id`` can read as
   written into (gathered, where an identical optimizer whose tensors got other addresses reads it in
   place).  So a sequence draws either an *aligned* layout (every size a multiple of 16: the float32 width
   of AVX-512, twice AVX2's; no tail anywhere, whatever the calls) and then everything is compared bit for
@@ -100,7 +100,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from test_fused import _without_repeat
 
 import dml_optim
-from dml_optim.fused import LIST_MIN_ELEMENTS
+from dml_optim.backends.fused import LIST_MIN_ELEMENTS
 
 #: ours and torch's fused twin, every hyperparameter explicit (float32 parameters); the base learning rate
 CONFIGS = {
@@ -167,7 +167,7 @@ VEC = 16
 TOL = dict(rtol=1e-4, atol=1e-5)
 #: ``clip``: the total norms, and the clipped gradients (scaled by factors that differ as the norms do):
 #: float32 reductions in another order (observed under the fuzz profile: 2e-6 relative at most, where the
-#: elements after a buffer's last whole NORM_BLOCK of dml_optim/clip.py are small and the blocks' norms large)
+#: elements after a buffer's last whole NORM_BLOCK of dml_optim/training/clip.py are small and the blocks' norms large)
 NORM_TOL = dict(rtol=1e-5, atol=1e-12)
 NAMES = ("ours", "plain", "torch")
 

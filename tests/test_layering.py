@@ -12,17 +12,58 @@ sys.path.insert(0, str(ROOT / "tools"))
 import import_cycles  # noqa: E402
 
 
-def test_no_import_cycles():
+def test_no_import_cycles_and_every_import_within_its_layer():
     graph = import_cycles.module_graph(ROOT / "dml_optim")
-    assert "dml_optim.optimizers.base" in graph and graph["dml_optim.options"] <= set()  # the leaf imports nothing of ours
+    assert "dml_optim.optimizers.base" in graph and graph["dml_optim.core.options"] <= set()  # the leaf imports nothing of ours
     assert import_cycles.cycles(graph) == []
+    assert import_cycles.layer_violations(ROOT / "dml_optim", graph) == []
+
+
+def test_every_module_is_short_or_says_why():
+    assert import_cycles.long_modules(ROOT / "dml_optim") == []
 
 
 def test_the_checker_finds_a_cycle():
     assert import_cycles.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
-@pytest.mark.parametrize("module", ["dml_optim.steps", "dml_optim.optimizers.registry"])
+def _package(tmp_path, files):
+    root = tmp_path / "pkg"
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_checker_sees_a_cycle_through_a_function_level_import(tmp_path):
+    """A lazy import inside a function is a dependency: a cycle through one is found; TYPE_CHECKING is not."""
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "low.py": "def f():\n    from pkg.high import g\n    return g\n",
+        "high.py": "from pkg import low\n",
+        "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import g\n",
+    })
+    graph = import_cycles.module_graph(root)
+    assert graph["pkg.low"] == {"pkg.high"} and graph["pkg.typed"] == set()
+    assert import_cycles.cycles(graph) == [["pkg.high", "pkg.low", "pkg.high"]]
+    assert import_cycles.main(["import_cycles", str(root)]) == 1
+
+
+def test_the_checker_refuses_an_import_into_a_layer_not_allowed(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "core/__init__.py": '"""Lowest.\n\nMay import: nothing of pkg outside core.\n"""\n',
+        "core/a.py": "def f():\n    from pkg.upper import b\n",
+        "upper/__init__.py": '"""Above.\n\nMay import: core.\n"""\n',
+        "upper/b.py": "from pkg.core import a\n",
+    })
+    graph = import_cycles.module_graph(root)
+    assert import_cycles.layer_violations(root, graph) == [
+        "pkg.core.a -> pkg.upper.b (core may import: nothing)"]
+
+
+@pytest.mark.parametrize("module", ["dml_optim.core.steps", "dml_optim.optimizers.registry"])
 def test_a_module_imports_in_a_fresh_interpreter(module):
     """Importing a lower layer first must not need a higher one to be loaded already."""
     result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dml_optim import toy
+from dml_optim.job import toy
 
 _SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "long_run_fp16.py"
 _spec = importlib.util.spec_from_file_location("long_run_fp16", _SCRIPT)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dml_optim
-from dml_optim.amp import DynamicLossScaler
+from dml_optim.training.amp import DynamicLossScaler
 from matrix import Case, case_of, classes
 
 needs_cpu_gradscaler = pytest.mark.skipif(

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import dml_optim
-from dml_optim import quant as Q
+from dml_optim.core import quant as Q
 from dml_optim.audit import audit_step
-from dml_optim.compiled import compile_available
+from dml_optim.backends.compiled import compile_available
 from dml_optim.optimizers import registry
 
 NAMES = sorted(registry.OPTIMIZERS)
@@ -113,7 +113,7 @@ def test_two_hundred_steps_stay_close_to_full_precision(name, bits, backend):
     assert float((ours - ref).norm() / (ref - x0).norm()) < DRIFT[bits]
     assert loss < ref_loss * LOSS[bits]
     if backend == "compiled":
-        assert dml_optim.backends.resolved_backends(opt) == [["compiled", "compiled"]]
+        assert dml_optim.backends.choose.resolved_backends(opt) == [["compiled", "compiled"]]
 
 
 @pytest.mark.slow
@@ -474,7 +474,7 @@ def test_train_reaches_full_precision_accuracy_and_the_readme_says_so():
     FP32 run's held-out accuracy, ``--state-bits 4`` within 2.0 (1,000 steps, as the README quotes)."""
     from pathlib import Path
 
-    from dml_optim.training import TrainConfig, train
+    from dml_optim.job.train import TrainConfig, train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the command's default (--threads 1): the quoted numbers are its

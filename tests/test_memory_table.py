@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dml_optim import toy
-from dml_optim.options import CHUNK_ELEMENTS
+from dml_optim.job import toy
+from dml_optim.core.options import CHUNK_ELEMENTS
 from dml_optim.precision import CONFIGS, make_optimizer
 from dml_optim.precision.memory import HIDDEN, OPTIMIZERS, measure, memory_table
 

@@ -302,7 +302,7 @@ def test_skip_with_kahan_leaves_parameters_and_compensation_bit_identical(case, 
     skipped step used to move (2 of 8192 in the run that found it).  Parameters, compensation and
     states stay as they were, and the run goes on as if the bad step never came.
     """
-    from dml_optim.compiled import compile_available
+    from dml_optim.backends.compiled import compile_available
 
     if backend == "compiled" and not compile_available("cpu")[0]:
         pytest.skip(f"compiled backend unavailable here: {compile_available('cpu')[1]}")

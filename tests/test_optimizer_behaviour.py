@@ -144,8 +144,8 @@ def test_changing_none_patterns_follow_the_reference_per_parameter(case, path, m
     here; torch's fused kernel over the runs, the CPU's default): each parameter with a gradient takes the
     float64 reference step from its own pre-step values and its own count; each one without keeps its
     values and state bit for bit."""
-    from dml_optim import backends
-    from dml_optim.fused import FusedFallbackWarning, LIST_MIN_ELEMENTS
+    from dml_optim.backends import choose as backends
+    from dml_optim.backends.fused import FusedFallbackWarning, LIST_MIN_ELEMENTS
 
     if path == "masked":
         from dml_optim.optimizers import engine

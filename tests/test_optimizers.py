@@ -33,9 +33,9 @@ import pytest
 import torch
 
 import dml_optim
-import dml_optim.backends
-from dml_optim import compiled
-from dml_optim.fused import FusedFallbackWarning
+import dml_optim.backends.choose
+from dml_optim.backends import compiled
+from dml_optim.backends.fused import FusedFallbackWarning
 from dml_optim.optimizers import registry
 from matrix import ENTRIES, FUSED_UNIT_ELEMENTS, Case, case_of, cases, classes, fused_cases
 from tolerances import assert_close, assert_close_to_reference
@@ -152,7 +152,7 @@ def test_matches_torch_optim_every_step(case: Case, compile_fallbacks_fail):
         if "step" in ref_sd["state"][k]:  # torch.optim.SGD keeps no step count
             assert float(ours_sd["state"][k]["step"]) == float(ref_sd["state"][k]["step"]) == STEPS
     if case.backend in ("compiled", "fused"):
-        assert dml_optim.backends.resolved_backends(ours) == [[case.backend], [case.backend]]
+        assert dml_optim.backends.choose.resolved_backends(ours) == [[case.backend], [case.backend]]
         assert compiled.fell_back(ours) is None
 
 
@@ -191,7 +191,7 @@ def test_matches_the_float64_reference_every_step(case: Case, compile_fallbacks_
     ours_p = [torch.nn.Parameter(t.clone()) for t in _initial(case)]
     ours = case.build(case.groups(*_split(ours_p)))
     _follow_the_reference(case, ours_p, ours)
-    assert dml_optim.backends.resolved_backends(ours) == [[case.backend], [case.backend]]
+    assert dml_optim.backends.choose.resolved_backends(ours) == [[case.backend], [case.backend]]
     if case.backend == "compiled":
         assert compiled.fell_back(ours) is None
 
@@ -233,7 +233,7 @@ def test_fused_where_it_cannot_run_warns_once_and_follows_the_reference(which):
     fallbacks = [w for w in record if issubclass(w.category, FusedFallbackWarning)]
     assert len(fallbacks) == 1, [str(w.message) for w in fallbacks]
     assert reason in str(fallbacks[0].message) and "backend='auto'" in str(fallbacks[0].message)
-    assert dml_optim.backends.resolved_backends(ours) == [["eager"], ["eager"]]
+    assert dml_optim.backends.choose.resolved_backends(ours) == [["eager"], ["eager"]]
 
 
 #: precision modes: (parameter dtype, options); the rule runs in float32 over bounded chunks, converting

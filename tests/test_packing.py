@@ -1,4 +1,4 @@
-"""Packing parameters into a flat buffer (``dml_optim.flat.pack_values``): values, rebinding, and a
+"""Packing parameters into a flat buffer (``dml_optim.core.flat.pack_values``): values, rebinding, and a
 failure part-way leaving every parameter with its values in a storage of its own."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from dml_optim.flat import pack_values
+from dml_optim.core.flat import pack_values
 
 SHAPES = [(3, 4), (5,), (2, 2, 2), (7,)]
 

@@ -22,7 +22,7 @@ import torch
 import dml_optim
 import dml_optim.optimizers.engine as engine
 from dml_optim import precision as P
-from dml_optim.backends import resolved_backends
+from dml_optim.backends.choose import resolved_backends
 from dml_optim.optimizers.registry import NAMES
 from tolerances import TOL
 from introspect import buffers
@@ -268,7 +268,7 @@ def test_master_weights_equal_fp32_run_rounded_to_fp16():
     opt_m = dml_optim.Adam(master, lr=1e-2, master_weights=True)
     # like with like: master weights are a precision mode of the eager (and compiled) backends, so opt_m runs
     # the eager op chain on its FP32 master copy; a plain FP32 run would default to torch's fused kernel on the
-    # CPU (dml_optim.fused), which rounds differently by units in the last place.  The FP32 reference is
+    # CPU (dml_optim.backends.fused), which rounds differently by units in the last place.  The FP32 reference is
     # therefore the eager op chain too: the claim is that the master copy IS that run, bit for bit.
     opt_f = dml_optim.Adam(fp32, lr=1e-2, backend="eager")
     assert resolved_backends(opt_m) == resolved_backends(opt_f) == [["eager"]]

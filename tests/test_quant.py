@@ -1,4 +1,4 @@
-"""The block-wise 8-bit and 4-bit codes of ``dml_optim.quant`` against their definition (docs/design.md §5).
+"""The block-wise 8-bit and 4-bit codes of ``dml_optim.core.quant`` against their definition (docs/design.md §5).
 
 The oracle is written here from the definition, in float64 NumPy: the level
 table of each format (dynamic exponent: ``10**(i - D + 1) * (0.1 + 0.9 * j / 2**i)``
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from dml_optim import quant as Q
-from dml_optim.compiled import compile_available
+from dml_optim.core import quant as Q
+from dml_optim.backends.compiled import compile_available
 
 FORMATS = [Q.format_for(bits, signed) for bits in (8, 4) for signed in (True, False)]
 IDS = [f.name for f in FORMATS]

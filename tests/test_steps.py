@@ -1,4 +1,4 @@
-"""``dml_optim.steps.StepCounter``: step counts as classes of parameters that step together.
+"""``dml_optim.core.steps.StepCounter``: step counts as classes of parameters that step together.
 
 The optimizer tests see the counter through results (``state_dict()`` steps,
 ``BufferInfo.step_counts``/``step_classes``); these tests pin its contract
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import dml_optim
-from dml_optim.opcount import count_ops
-from dml_optim.steps import StepClass, StepCounter
+from dml_optim.core.opcount import count_ops
+from dml_optim.core.steps import StepClass, StepCounter
 
 
 def runs(counter: StepCounter):

@@ -19,7 +19,7 @@ units in the last place (each override's comment).
 
 The twin is the torch implementation our buffers actually run
 (:func:`_twin_flags`): on the CPU, float32 and float64 buffers of the default
-``backend="auto"`` run torch's own fused kernel (``dml_optim.fused``), so
+``backend="auto"`` run torch's own fused kernel (``dml_optim.backends.fused``), so
 their twin is torch.optim's ``fused=True`` and every comparison is exact;
 ``backend="eager"`` (and the dtypes the fused kernel does not take) runs our
 op chain, whose twin is torch's single-tensor implementation
@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import dml_optim
-from dml_optim.backends import resolved_backends
+from dml_optim.backends.choose import resolved_backends
 from dml_optim.optimizers import registry
 from matrix import ENTRIES
 from tolerances import TOL
@@ -118,7 +118,7 @@ def _backend_options(backend) -> dict:
 
 def _twin_flags(opt) -> dict:
     """torch.optim's keywords for the implementation ``opt``'s flat buffers run now: ``fused=True`` where they
-    run torch's fused kernel (``dml_optim.fused``: the same kernel, called on our flat buffers), else
+    run torch's fused kernel (``dml_optim.backends.fused``: the same kernel, called on our flat buffers), else
     ``foreach=False`` (the single-tensor implementation, the one our eager op chain follows).  Every buffer
     must run the same one, or no single twin is the right reference."""
     resolved = {b for group in resolved_backends(opt) for b in group}

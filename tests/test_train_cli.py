@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from dml_optim import toy
+from dml_optim.job import toy
 from dml_optim.commands.train import format_header, format_summary
-from dml_optim.training import FP16_EPSILON, TrainConfig, resolve_device, train
+from dml_optim.job.train import FP16_EPSILON, TrainConfig, resolve_device, train
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ the method, the rows and the fields of the JSON document.  One module per job:
   fastest of in-place streaming passes, add and torch's fused SGD and Adam
   kernels at lr=0, each round; CUDA: copy), fractions of it paired by round;
 * the rows: :mod:`~dml_optim.benchmark.speed` (candidates side by side;
-  ops per step from :func:`dml_optim.opcount.count_ops`),
+  ops per step from :func:`dml_optim.core.opcount.count_ops`),
   :mod:`~dml_optim.benchmark.frozen` (LoRA, gradual unfreezing),
   :mod:`~dml_optim.benchmark.host` (host work per parameter, per ``checks``
   mode; compiled instances), :mod:`~dml_optim.benchmark.memory` (peak at construction),
@@ -27,6 +27,8 @@ the method, the rows and the fields of the JSON document.  One module per job:
   row's stored beside it;
 * :mod:`~dml_optim.benchmark.report`: tables, summary, the JSON file;
 * :mod:`~dml_optim.benchmark.run`: the plan of a run and running it.
+
+May import: core, dml, backends, optimizers, training, precision, job, top.
 """
 
 from dml_optim.benchmark.candidates import CANDIDATES, OPTIMIZERS

@@ -6,7 +6,7 @@ of the same parameters:
 
 * ``dml_optim eager``, ``dml_optim compiled`` and ``dml_optim fused``:
   ``registry.build(name, params, backend=...)``; ``fused`` is torch's own
-  fused CPU kernel called on the flat buffers (:mod:`dml_optim.fused`), what
+  fused CPU kernel called on the flat buffers (:mod:`dml_optim.backends.fused`), what
   ``backend="auto"`` runs on the CPU for float32 and float64 buffers with
   plain states (n/a, with the reason, elsewhere: a fallback would time
   another backend);
@@ -21,7 +21,7 @@ of the same parameters:
 What ``backend="auto"`` runs for a workload: :func:`auto_backend` (the
 prediction, ``fused``, ``eager`` or ``compiled``, for a speed row's
 ``auto_backend``) and :func:`ran` (what an optimizer's buffers ran, from
-:func:`dml_optim.backends.resolved_backends`).
+:func:`dml_optim.backends.choose.resolved_backends`).
 
 Hyperparameters are the registry's defaults (learning rate:
 ``registry.lr_for``), on both sides.  dml_optim candidates get their own
@@ -40,7 +40,7 @@ from typing import Callable, Iterator
 import torch
 
 from dml_optim.benchmark.timing import wall_seconds
-from dml_optim.quant import tensors_of
+from dml_optim.core.quant import tensors_of
 
 __all__ = ["OPTIMIZERS", "CANDIDATES", "TORCH_CANDIDATES", "AUTO", "BYTES_PER_ELEMENT", "Candidate", "build_optimizer", "settle", "settle_steps",
            "start", "unavailable", "auto_backend", "ran", "no_compile_fallback"]
@@ -114,7 +114,7 @@ def unavailable(name: str, device: torch.device) -> str | None:
     """Why candidate ``name`` cannot run on ``device`` (None: it can).  What else rules out ``dml_optim
     fused`` (the dtype, ...) makes its first step fail with the library's reason (:func:`no_compile_fallback`)."""
     if name == "dml_optim compiled":
-        from dml_optim.compiled import compile_available
+        from dml_optim.backends.compiled import compile_available
 
         ok, why = compile_available(device.type)
         return None if ok else why
@@ -126,11 +126,11 @@ def unavailable(name: str, device: torch.device) -> str | None:
 def auto_backend(optimizer: str, device: torch.device, dtype: torch.dtype, numel: int, **options) -> str:
     """What ``backend="auto"`` runs for a buffer of ``numel`` elements of ``optimizer`` (the registry's
     hyperparameters, ``options``) in ``dtype`` on ``device``, in a long run: ``"fused"`` where torch's fused
-    kernel can run it (:func:`dml_optim.backends.resolved_backends` of such an optimizer over one element:
+    kernel can run it (:func:`dml_optim.backends.choose.resolved_backends` of such an optimizer over one element:
     whether it does depends on the device, dtype and settings, not the size), else ``"eager"`` or
-    ``"compiled"`` by size (:func:`dml_optim.backends.resolve`; a buffer that compiles after running
+    ``"compiled"`` by size (:func:`dml_optim.backends.choose.resolve`; a buffer that compiles after running
     eagerly for a while counts as compiled)."""
-    from dml_optim.backends import resolve, resolved_backends
+    from dml_optim.backends.choose import resolve, resolved_backends
     from dml_optim.optimizers.registry import build
 
     probe = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
@@ -141,9 +141,9 @@ def auto_backend(optimizer: str, device: torch.device, dtype: torch.dtype, numel
 
 
 def ran(opt: torch.optim.Optimizer) -> str | None:
-    """What ``opt``'s flat buffers run with now (:func:`dml_optim.backends.resolved_backends`): ``"fused"``,
+    """What ``opt``'s flat buffers run with now (:func:`dml_optim.backends.choose.resolved_backends`): ``"fused"``,
     ``"eager"``, ``"compiled"``, or several joined by ``+`` (``"eager+compiled"``); None without buffers."""
-    from dml_optim.backends import resolved_backends
+    from dml_optim.backends.choose import resolved_backends
 
     return "+".join(dict.fromkeys(b for group in resolved_backends(opt) for b in group)) or None
 
@@ -192,9 +192,9 @@ def settle(cand: Candidate) -> None:
 
 def settle_steps(opt: torch.optim.Optimizer, step: Callable[[], object]) -> None:
     """Call ``step`` until no buffer of ``opt`` will still switch backends under ``auto`` (one that compiles
-    after running eagerly for a while, :data:`dml_optim.backends.AUTO_COMPILE_AFTER_EAGER_S`, has done
+    after running eagerly for a while, :data:`dml_optim.backends.choose.AUTO_COMPILE_AFTER_EAGER_S`, has done
     so): a row measures the steady state of a training run, not its first seconds."""
-    from dml_optim.backends import AUTO_COMPILE_AFTER_EAGER_S, tiering_pending
+    from dml_optim.backends.choose import AUTO_COMPILE_AFTER_EAGER_S, tiering_pending
 
     deadline = time.perf_counter() + 3 * max(AUTO_COMPILE_AFTER_EAGER_S.values()) + 30
     with no_compile_fallback():
@@ -206,10 +206,10 @@ def settle_steps(opt: torch.optim.Optimizer, step: Callable[[], object]) -> None
 def no_compile_fallback() -> Iterator[None]:
     """Inside: a backend fallback raises, so a candidate that was to run compiled or fused is n/a with the
     reason instead of silently measuring another backend: a compile fallback
-    (:class:`dml_optim.compiled.CompileFallbackWarning`), and ``backend="fused"`` refusing a buffer
-    (:class:`dml_optim.fused.FusedFallbackWarning`: a dtype or setting torch's kernels do not take)."""
-    from dml_optim.compiled import CompileFallbackWarning
-    from dml_optim.fused import FusedFallbackWarning
+    (:class:`dml_optim.backends.compiled.CompileFallbackWarning`), and ``backend="fused"`` refusing a buffer
+    (:class:`dml_optim.backends.fused.FusedFallbackWarning`: a dtype or setting torch's kernels do not take)."""
+    from dml_optim.backends.compiled import CompileFallbackWarning
+    from dml_optim.backends.fused import FusedFallbackWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)

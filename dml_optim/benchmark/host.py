@@ -16,7 +16,7 @@
   default: ``"full"``; documents of 2026-11 recorded ``"refs"``, the default
   then); the other modes and the eager chain are reported beside it, not
   targets.  The ops each step dispatches are counted too
-  (:func:`dml_optim.opcount.count_ops`): the same for the 2,000 tensors as
+  (:func:`dml_optim.core.opcount.count_ops`): the same for the 2,000 tensors as
   for the one, so the difference is host work, not kernels.  The one
   tensor's gradient (a tensor of its own, 32,000 elements) is read in place
   by the fused step, which plans that step anew each time, while the 2,000
@@ -42,7 +42,7 @@ import torch
 from dml_optim.benchmark.candidates import AUTO, ran, start
 from dml_optim.benchmark.timing import round_robin, wall_seconds
 from dml_optim.benchmark.workloads import Workload, make_params, make_values, workload
-from dml_optim.opcount import count_ops
+from dml_optim.core.opcount import count_ops
 
 __all__ = ["HOST_WORK_LIMIT", "HOST_CHECKS", "DEFAULT_CHECKS", "INSTANCES_LIMIT", "measure_host_work",
            "measure_instances"]

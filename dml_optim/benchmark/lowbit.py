@@ -75,7 +75,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     """The optimizer state's bytes (step counters left out): ours from the flat buffers, the others from
     ``opt.state``."""
     if hasattr(opt, "flat_buffers"):
-        from dml_optim.quant import tensors_of
+        from dml_optim.core.quant import tensors_of
 
         return sum(t.numel() * t.element_size() for i in opt.flat_buffers() for s in i.states.values()
                    for t in tensors_of(s))
@@ -90,7 +90,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 def measure_lowbit(device: torch.device, dtype: torch.dtype, settings: dict, log: Callable[[str], None],
                    quick: bool = False) -> dict[str, Any]:
     """The low-bit row: ``{"workload", "numel", "rows": [...]}`` (n/a candidates with the reason)."""
-    from dml_optim.backends import resolve
+    from dml_optim.backends.choose import resolve
 
     numel = QUICK_NUMEL if quick else NUMEL
     gen = torch.Generator().manual_seed(0)

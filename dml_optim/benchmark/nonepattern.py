@@ -26,7 +26,7 @@ the reason.
 
 Per candidate: ``ms_per_step`` (median), ``ms_min`` and ``ms_max`` (the
 spread), ``round_ms`` (the sample of each round, in order), ``first_step_ms``, ``ops_per_step`` (the mean over one cycle of
-patterns, :func:`dml_optim.opcount.count_ops`), ``steps_taken`` and
+patterns, :func:`dml_optim.core.opcount.count_ops`), ``steps_taken`` and
 ``distinct_step_counts`` (among the parameters, after the last step);
 ``error``: a part that failed (counting the ops).
 The record's ``auto_runs`` is what ``dml_optim auto``'s buffers ran in the
@@ -54,7 +54,7 @@ from dml_optim.benchmark.candidates import AUTO, build_optimizer, no_compile_fal
 from dml_optim.benchmark.common import error_text
 from dml_optim.benchmark.timing import round_robin, rows_ratio, wall_seconds
 from dml_optim.benchmark.workloads import Workload, make_params, make_values, tensors
-from dml_optim.opcount import count_ops
+from dml_optim.core.opcount import count_ops
 
 __all__ = ["CANDIDATES", "MODES", "CHANGING_LIMIT", "VS_FUSED_LIMIT", "ROW_FIELDS", "workload", "draw_patterns",
            "PatternStepper", "blank_row", "find_row", "make_record", "measure_nonepattern"]
@@ -117,7 +117,7 @@ class PatternStepper:
         return len(counts)
 
     def ops_per_step(self) -> float:
-        """Ops per step, the mean over one cycle of patterns (:func:`dml_optim.opcount.count_ops`)."""
+        """Ops per step, the mean over one cycle of patterns (:func:`dml_optim.core.opcount.count_ops`)."""
         steps = len(self.patterns)
         return count_ops(lambda: [self.step() for _ in range(steps)]) / steps
 

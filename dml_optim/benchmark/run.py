@@ -56,7 +56,7 @@ def unmeasurable(row: str, device: torch.device) -> str | None:
     if row == "graph" and device.type != "cuda":
         return f"CUDA only: a step captured in torch.cuda.graph and replayed; the device is {device.type}"
     if row == "instances":
-        from dml_optim.compiled import compile_available
+        from dml_optim.backends.compiled import compile_available
 
         ok, why = compile_available(device.type)
         return None if ok else f"needs the compiled backend: {why}"
@@ -140,7 +140,7 @@ def make_plan(*, device: str = "cpu", quick: bool = False, rows: Sequence[str] |
     ``ValueError`` when an argument is unusable; its message starts with the
     argument's name (``"workloads: unknown model 'x': ..."``).
     """
-    from dml_optim.training import resolve_device
+    from dml_optim.job.train import resolve_device
 
     try:
         dev = resolve_device(device)

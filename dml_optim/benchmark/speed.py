@@ -19,7 +19,7 @@ one row per candidate:
   CUDA, the fastest of its passes in that round; the copy on CUDA);
   ``kernel_fraction_of_reference`` (CUDA): kernel times, the step's over the
   copy's (profiled once, not in rounds);
-* ``ops_per_step``: :func:`dml_optim.opcount.count_ops` (views excluded, a
+* ``ops_per_step``: :func:`dml_optim.core.opcount.count_ops` (views excluded, a
   compiled kernel call is one op); ``optimizer_bytes``; ``first_step_ms``
   and, for ``compiled``, ``compile_s``.
 
@@ -58,7 +58,7 @@ from dml_optim.benchmark.common import error_text
 from dml_optim.benchmark.timing import (REFERENCE_NAMES, Reference, kernel_seconds, paired_fraction, round_robin,
                                         wall_seconds)
 from dml_optim.benchmark.workloads import Workload, make_params, make_values
-from dml_optim.opcount import count_ops
+from dml_optim.core.opcount import count_ops
 
 __all__ = ["ROW_FIELDS", "gradients", "start_candidates", "measure", "measure_group"]
 

@@ -14,7 +14,7 @@ import json
 import math
 import sys
 
-from dml_optim.cli import UsageError
+from dml_optim.commands import UsageError
 
 HELP = "count the aten ops, CPU fallbacks, host syncs and allocations of one step, ours vs torch.optim"
 

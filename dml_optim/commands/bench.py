@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from dml_optim import benchmark
-    from dml_optim.cli import UsageError
+    from dml_optim.commands import UsageError
     from dml_optim.console import Progress
 
     try:

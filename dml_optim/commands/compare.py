@@ -78,7 +78,7 @@ def add_parser(sub):
 
 
 def _list(flag: str, value: str | None, allowed) -> list[str] | None:
-    from dml_optim.cli import UsageError
+    from dml_optim.commands import UsageError
 
     if value is None:
         return None
@@ -97,10 +97,10 @@ def _megabytes(n: int) -> str:
 
 def _workload(workload: str) -> tuple[str, int, int]:
     """``(name, tensors, parameters)`` of ``--workload``; a usage error when it names nothing."""
-    from dml_optim.cli import UsageError
+    from dml_optim.commands import UsageError
 
     if workload == "mlp":
-        from dml_optim import toy
+        from dml_optim.job import toy
 
         shapes = [p.shape for p in toy.make_model(0).parameters()]
         return "mlp", len(shapes), sum(math.prod(s) for s in shapes)
@@ -114,7 +114,7 @@ def _workload(workload: str) -> tuple[str, int, int]:
 
 
 def _check(args) -> tuple[list[str] | None, list[str] | None, dict]:
-    from dml_optim.cli import UsageError
+    from dml_optim.commands import UsageError
     from dml_optim.precision import CONFIGS, STREAMS, epsilon_name
 
     if args.steps is not None and args.steps < 1:
@@ -150,7 +150,7 @@ def _command_line(args, steps: int, streams: list[str], configs: list[str]) -> s
 
 
 def run(args) -> int:
-    from dml_optim.cli import UsageError
+    from dml_optim.commands import UsageError
     from dml_optim.console import Progress
     from dml_optim.precision import CONFIGS, compare, default_steps
 

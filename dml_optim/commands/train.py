@@ -7,12 +7,12 @@ import json
 import math
 import sys
 
-from dml_optim import toy
+from dml_optim.job import toy
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS
-from dml_optim.options import OPTION_NAMES
+from dml_optim.core.options import OPTION_NAMES
 from dml_optim.optimizers.registry import NAMES, spec
 from dml_optim.precision import epsilon_name
-from dml_optim.training import (
+from dml_optim.job.train import (
     DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEVICES, DTYPES, FP16_EPSILON, RunResult, TrainConfig,
 )
 
@@ -184,10 +184,10 @@ def format_summary(results: list[RunResult]) -> str:
 def run(args) -> int:
     import torch
 
-    from dml_optim.cli import UsageError
+    from dml_optim.commands import UsageError
     from dml_optim.console import Progress
     from dml_optim.dml.device import available
-    from dml_optim.training import resolve_device, train
+    from dml_optim.job.train import resolve_device, train
 
     try:
         device = resolve_device(args.device)

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from dml_optim.cli import UsageError
+from dml_optim.commands import UsageError
 from dml_optim.dml.builder import adam_descriptor, split_for_dml
 from dml_optim.dml.desc import ELEMENT_SIZES, MAX_ELEMENTS, MalformedDescriptor, canonical_feature_level
 from dml_optim.dml.desc_json import load, loads

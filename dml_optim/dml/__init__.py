@@ -5,6 +5,8 @@ The descriptor code is split by job: :mod:`~dml_optim.dml.desc` (the model),
 :mod:`~dml_optim.dml.desc_json` (JSON), :mod:`~dml_optim.dml.torch_bridge`
 (torch shapes and tensors), :mod:`~dml_optim.dml.builder` (the optimizers'
 in-place descriptors) and :mod:`~dml_optim.dml.validate` (the rules).
+
+May import: core.
 """
 
 from dml_optim.dml.builder import adam_descriptor, split_for_dml

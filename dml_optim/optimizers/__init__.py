@@ -1,4 +1,9 @@
-"""The optimizers: one module per class; :mod:`~dml_optim.optimizers.registry` lists them."""
+"""The optimizers: one module per class; :mod:`~dml_optim.optimizers.registry` lists them.
+
+The base class (torch.optim's contract) lives in :mod:`~dml_optim.optimizers.base`.
+
+May import: core, dml, backends.
+"""
 
 from dml_optim.optimizers.adagrad import Adagrad
 from dml_optim.optimizers.adam import Adam

@@ -27,9 +27,9 @@ from typing import Any, Iterator
 
 import torch
 
-from dml_optim.flat import local_tensor, param_piece, store_param_piece
+from dml_optim.core.flat import local_tensor, param_piece, store_param_piece
 from dml_optim.optimizers.state_dict import ABSMAX, CODES, EXTRA_STATES, param_state
-from dml_optim.quant import QuantizedState
+from dml_optim.core.quant import QuantizedState
 
 __all__ = ["StateView", "ParamStateView"]
 

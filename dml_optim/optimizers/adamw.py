@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import dml_optim.functional as F
+import dml_optim.core.functional as F
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, betas_alias
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from dml_optim.options import OptimizerOptions
+    from dml_optim.core.options import OptimizerOptions
 
 __all__ = ["AdamW"]
 
@@ -47,11 +47,11 @@ class AdamW(FlatOptimizer):
     device and dtype); ``differentiable=True`` is refused.  States are torch's (``exp_avg``, ``exp_avg_sq``,
     ``max_exp_avg_sq``), so checkpoints move both ways between the two.
 
-    The step (see :func:`dml_optim.functional.adamw_coefficients`) runs as at
+    The step (see :func:`dml_optim.core.functional.adamw_coefficients`) runs as at
     most 10 element-wise ops per flat buffer, all native on DirectML: no
     ``lerp``, no ``_foreach_*``, no host sync, no allocation.  On the CPU the
     default backend calls torch's own ``_fused_adamw_`` kernel on the flat
-    buffer instead (one call a step: dml_optim/fused.py).
+    buffer instead (one call a step: dml_optim/backends/fused.py).
     """
 
     spec = OptimizerSpec(

@@ -3,11 +3,11 @@
 A subclass declares what it is (``spec``: hyperparameters, torch.optim twin;
 ``state_names``, ``step_offset``, ``max_step``, ``dtypes``, ``skip_identity``)
 and its math as class-level functions of plain data (``constants``,
-``coefficients``, ``rule``); :mod:`dml_optim.update` strings them together.
+``coefficients``, ``rule``); :mod:`dml_optim.core.update` strings them together.
 This class does the rest:
 
 * **layout** (:mod:`~dml_optim.optimizers.layout`): each param group's
-  trainable parameters are packed into one :class:`~dml_optim.flat.FlatBuffer`
+  trainable parameters are packed into one :class:`~dml_optim.core.flat.FlatBuffer`
   per (device, dtype); frozen parameters (``requires_grad=False``) are not
   packed and cost nothing until they are unfrozen, when the next step takes
   them in;
@@ -27,9 +27,9 @@ This class does the rest:
 * **paths**: eager with counts on the host (coefficients are Python numbers:
   no device op, no sync); eager with counts on the device (gated steps:
   ``nonfinite="skip"`` and loss scaling, and ``capturable=True``); compiled
-  (one fused kernel per class, :mod:`dml_optim.compiled`);
+  (one fused kernel per class, :mod:`dml_optim.backends.compiled`);
 * **precision**: ``state_dtype``, ``compute_dtype``, ``master_weights``,
-  ``kahan`` (:mod:`dml_optim.update`); chunked through bounded scratch when
+  ``kahan`` (:mod:`dml_optim.core.update`); chunked through bounded scratch when
   the eager path converts;
 * **torch conventions**: param groups carry torch.optim's names too, kept in
   sync (:func:`~dml_optim.optimizers.spec.sync_group`); ``torch.amp.GradScaler``'s
@@ -44,13 +44,13 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from dml_optim.compiled import _is_compiling
-from dml_optim.flat import describe_param
+from dml_optim.backends.compiled import _is_compiling
+from dml_optim.core.flat import describe_param
 from dml_optim.optimizers.contract import ContractMixin
 from dml_optim.optimizers.engine import EngineMixin
 from dml_optim.optimizers.layout import GroupLayout, LayoutMixin
 from dml_optim.optimizers.spec import REQUIRED, OptimizerSpec, agree, sync_group
-from dml_optim.options import (
+from dml_optim.core.options import (
     CHECK_MODES,
     LOW_PRECISION_DTYPES,
     MAX_STEP,
@@ -105,7 +105,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
     #: Names of the per-parameter state tensors (torch.optim's names).
     state_names: ClassVar[tuple[str, ...]] = ()
     #: States that are never negative (a second moment, a sum of squares): quantized without a sign and
-    #: without a zero level (``state_bits``, dml_optim.quant); the others keep a sign and an exact zero.
+    #: without a zero level (``state_bits``, dml_optim.core.quant); the others keep a sign and an exact zero.
     unsigned_states: ClassVar[tuple[str, ...]] = ()
     #: T passed to the rule = completed steps + step_offset.
     step_offset: ClassVar[int] = 0
@@ -141,14 +141,14 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
 
     @staticmethod
     def rule(x, g, *states, scratch, **scalars) -> None:  # pragma: no cover - abstract
-        """The in-place update of one range (a function of :mod:`dml_optim.functional`)."""
+        """The in-place update of one range (a function of :mod:`dml_optim.core.functional`)."""
         raise NotImplementedError
 
     @classmethod
     def fused_kernel(cls, hyper, count: int) -> tuple[str, dict[str, Any]] | None:
         """torch's fused CPU kernel that computes :meth:`rule` after ``count`` completed steps: its name in
         ``torch`` and its keyword arguments (the step tensors it reads hold ``count + 1``), or None where
-        none does (:mod:`dml_optim.fused`)."""
+        none does (:mod:`dml_optim.backends.fused`)."""
         return None
 
     @classmethod
@@ -460,7 +460,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
 
     def flat_buffers(self) -> list[BufferInfo]:
         """One :class:`BufferInfo` per flat buffer, in group order."""
-        from dml_optim.backends import resolved_backend
+        from dml_optim.backends.choose import resolved_backend
 
         out = []
         for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):

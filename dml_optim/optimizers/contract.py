@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from dml_optim.flat import describe_param
+from dml_optim.core.flat import describe_param
 
 __all__ = ["ContractMixin"]
 

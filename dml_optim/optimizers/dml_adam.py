@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import dml_optim.functional as F
+import dml_optim.core.functional as F
 from dml_optim.optimizers.adam import _EPS_DIFFERS
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, betas_alias
@@ -15,7 +15,7 @@ from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquiva
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from dml_optim.options import OptimizerOptions
+    from dml_optim.core.options import OptimizerOptions
 
 __all__ = ["DmlAdam", "UINT32_MAX"]
 

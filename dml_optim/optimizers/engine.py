@@ -16,7 +16,7 @@ update:
 * **precision** (``state_dtype``, ``compute_dtype``, ``master_weights``,
   ``kahan``): the dtype rules, and the eager rule run over bounded chunks
   through preallocated scratch when operands are converted
-  (:func:`dml_optim.update.run_rule`);
+  (:func:`dml_optim.core.update.run_rule`);
 * **non-finite gradients**: one device-side reduction per buffer
   (``nonfinite="skip"`` gates the step on it; ``"raise"`` reads it: one sync).
 """
@@ -30,17 +30,17 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dml_optim.backends import compiles, fuses, masked_runner, runner_for, tiers
-from dml_optim.compiled import _dispatch_mode_active
-from dml_optim.flat import _GRAD, FlatBuffer, describe_param
-from dml_optim.fused import kernel_scalars, reads_in_place, remember_read
-from dml_optim.fused import plan as plan_fused
-from dml_optim.fused import run as run_fused
+from dml_optim.backends.choose import compiles, fuses, masked_runner, runner_for, tiers
+from dml_optim.backends.compiled import _dispatch_mode_active
+from dml_optim.core.flat import _GRAD, FlatBuffer, describe_param
+from dml_optim.backends.fused import kernel_scalars, reads_in_place, remember_read
+from dml_optim.backends.fused import plan as plan_fused
+from dml_optim.backends.fused import run as run_fused
 from dml_optim.optimizers.layout import _unchanged
-from dml_optim.steps import StepClass
-from dml_optim.options import CHUNK_ELEMENTS, LOW_PRECISION_DTYPES
-from dml_optim.quant import QuantizedState, format_for
-from dml_optim.update import (coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule, step_scalars,
+from dml_optim.core.steps import StepClass
+from dml_optim.core.options import CHUNK_ELEMENTS, LOW_PRECISION_DTYPES
+from dml_optim.core.quant import QuantizedState, format_for
+from dml_optim.core.update import (coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule, step_scalars,
                               storage_dtype)
 
 __all__ = ["EngineMixin", "MASKED_DEVICES"]
@@ -51,7 +51,7 @@ __all__ = ["EngineMixin", "MASKED_DEVICES"]
 #: kernel 5.7 ms a step; 4.2M elements at two counts: 3.5 ms masked, 1.7 ms as two eager updates).
 MASKED_DEVICES = ("privateuseone", "cuda")
 
-#: The class slot of a planned update that runs torch's fused kernel (:mod:`dml_optim.fused`).
+#: The class slot of a planned update that runs torch's fused kernel (:mod:`dml_optim.backends.fused`).
 FUSED = "fused"
 
 
@@ -121,7 +121,7 @@ class EngineMixin:
 
     def _new_state(self, group, flat: FlatBuffer, name: str):
         """A fresh flat state (its initial value everywhere): a tensor of the state dtype, or, in a
-        quantized buffer, a :class:`~dml_optim.quant.QuantizedState` (signed unless ``unsigned_states``)."""
+        quantized buffer, a :class:`~dml_optim.core.quant.QuantizedState` (signed unless ``unsigned_states``)."""
         cls = type(self)
         value = cls.initial_state(group, name)
         if flat.bits:
@@ -293,7 +293,7 @@ class EngineMixin:
         buffer: the parameters still bound to the buffer (the data storage's use count,
         :meth:`FlatBuffer.moved`; ``"full"``: every pointer, shape and stride), the gradients dense
         tensors of their parameters' shape, dtype and device (:meth:`FlatBuffer.plain_grads`), contiguous
-        and not written into since the last step read them (:func:`dml_optim.fused.reads_in_place`).  The
+        and not written into since the last step read them (:func:`dml_optim.backends.fused.reads_in_place`).  The
         buffer's own gradient views back in ``.grad`` (``zero_grad()`` keeping them) take the full path, which
         records them, so the following steps repeat with the binding check."""
         grads = list(map(_GRAD, flat.params))
@@ -309,7 +309,7 @@ class EngineMixin:
         return True
 
     def _fused_plan(self, group, flat: FlatBuffer):
-        """The kernel calls of a fused step of ``flat`` (:func:`dml_optim.fused.plan`), after the same step-limit
+        """The kernel calls of a fused step of ``flat`` (:func:`dml_optim.backends.fused.plan`), after the same step-limit
         and range checks as the other paths (the rule's scalars, and torch's kernel's, checked a block of 256
         counts at a time and remembered per settings), or None when a count rules the kernel out."""
         members, counts = flat.counter.active_params() if flat.pending is not None else flat.counter.active_runs()
@@ -339,7 +339,7 @@ class EngineMixin:
     def _counts_in_range(self, group, flat: FlatBuffer, first: int, n: int, rule: bool = True) -> bool:
         """Counts ``first .. first + n - 1`` are within the step limit and give per-step scalars the compute
         dtype holds: the rule's (with ``rule``; its coefficients computed over a float64 tensor of the counts,
-        a few ops for all) and those torch's fused kernel computes (:func:`dml_optim.fused.kernel_scalars`)."""
+        a few ops for all) and those torch's fused kernel computes (:func:`dml_optim.backends.fused.kernel_scalars`)."""
         cls = type(self)
         if first + n > cls.max_step:
             return False
@@ -356,7 +356,7 @@ class EngineMixin:
         if rule:
             worst += [v.abs().max().item() if isinstance(v, torch.Tensor) else abs(v)
                       for v in cls.coefficients(group, counts + cls.step_offset).values()]
-        # the kernel's keywords through the buffer's cache (dml_optim.fused._Cache.kernel): the Adams' differ per
+        # the kernel's keywords through the buffer's cache (dml_optim.backends.fused._Cache.kernel): the Adams' differ per
         # count, and the steps that follow find the ones of their counts computed here
         kernel = flat.fused.kernel
         if cls.fused_counts == "each":  # (its keywords differ per count: each with its own step number)
@@ -396,7 +396,7 @@ class EngineMixin:
 
         Parameters with a gradient at several step counts would take one update per count, and a
         re-pack whenever ``None`` gradients leave a count's parameters in pieces.  Instead the buffer
-        steps once, in place and in its order (:func:`dml_optim.update.masked_step`): every scalar
+        steps once, in place and in its order (:func:`dml_optim.core.update.masked_step`): every scalar
         that differs between parameters has one value per parameter (the host's, for the
         parameter's count; the rule's no-op for a parameter without a gradient, whose gradient
         slot is zero), gathered to the elements by their owners (:meth:`FlatBuffer.owner`).  The op

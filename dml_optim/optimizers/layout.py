@@ -2,7 +2,7 @@
 
 :class:`LayoutMixin` (a part of :class:`~dml_optim.optimizers.base.FlatOptimizer`)
 owns the layout of each param group (:class:`GroupLayout`): which parameters
-are packed into which :class:`~dml_optim.flat.FlatBuffer` (the trainable
+are packed into which :class:`~dml_optim.core.flat.FlatBuffer` (the trainable
 ones, one buffer per device and dtype) and which are frozen and left out.
 
 Every step starts here (:meth:`LayoutMixin._prepare`), in two phases:
@@ -32,13 +32,13 @@ from typing import Any, Sequence
 
 import torch
 
-from dml_optim.backends import fuses
-from dml_optim.flat import (Binding, FlatBuffer, _runs, describe_param, group_key, local_tensor, param_piece,
+from dml_optim.backends.choose import fuses
+from dml_optim.core.flat import (Binding, FlatBuffer, _runs, describe_param, group_key, local_tensor, param_piece,
                              store_param_piece)
-from dml_optim.functional import check_like
-from dml_optim.fused import reads_in_place
+from dml_optim.core.functional import check_like
+from dml_optim.backends.fused import reads_in_place
 from dml_optim.optimizers.spec import sync_group
-from dml_optim.quant import BLOCK, MIN_ELEMENTS
+from dml_optim.core.quant import BLOCK, MIN_ELEMENTS
 
 __all__ = ["LayoutMixin", "GroupLayout"]
 
@@ -105,7 +105,7 @@ class LayoutMixin:
     @staticmethod
     def _bits_of(group: dict[str, Any], p) -> int | None:
         """The state bits of parameter ``p`` under ``group``'s ``state_bits``: None for full precision,
-        which parameters under :data:`dml_optim.quant.MIN_ELEMENTS` elements keep (as bitsandbytes')."""
+        which parameters under :data:`dml_optim.core.quant.MIN_ELEMENTS` elements keep (as bitsandbytes')."""
         bits = group.get("state_bits")
         return bits if bits in BLOCK and local_tensor(p).numel() >= MIN_ELEMENTS else None
 
@@ -271,7 +271,7 @@ class LayoutMixin:
         gradients: it steps once per kernel over lists of runs, in one masked update, or once per run;
         otherwise parameters that step together are made contiguous first (a re-pack, when ``None``
         gradients left a class in pieces), so that the rule runs once per step count.  With ``in_place``
-        a fused buffer reads fresh gradients where they are (:func:`dml_optim.fused.reads_in_place`:
+        a fused buffer reads fresh gradients where they are (:func:`dml_optim.backends.fused.reads_in_place`:
         ``flat.pending``) instead of gathering them.  Returns which parameters have a gradient (None:
         all of them).
         """

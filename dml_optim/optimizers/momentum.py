@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import dml_optim.functional as F
+import dml_optim.core.functional as F
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import REQUIRED, Hyperparameter, OptimizerSpec, TorchAlias, TorchEquivalent, _one_float, same_alias
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from dml_optim.options import OptimizerOptions
+    from dml_optim.core.options import OptimizerOptions
 
 __all__ = ["Momentum"]
 

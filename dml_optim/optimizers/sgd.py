@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import dml_optim.functional as F
+import dml_optim.core.functional as F
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from dml_optim.options import OptimizerOptions
+    from dml_optim.core.options import OptimizerOptions
 
 __all__ = ["SGD"]
 
@@ -30,7 +30,7 @@ class SGD(FlatOptimizer):
 
     This is ONNX ``Momentum-1`` (:class:`~dml_optim.Momentum`: ``alpha`` =
     ``momentum``, ``beta`` = ``1 - dampening``, ``norm_coefficient`` =
-    ``weight_decay``), the same kernel (:func:`dml_optim.functional.momentum_`),
+    ``weight_decay``), the same kernel (:func:`dml_optim.core.functional.momentum_`),
     with torch's names, defaults (``lr=1e-3``, ``momentum=0``), ``maximize``, and
     torch's rule that ``momentum=0`` keeps no buffer and ignores ``dampening``.
     ``nesterov=True`` needs ``momentum > 0`` and ``dampening = 0``, as in torch.
@@ -43,7 +43,7 @@ class SGD(FlatOptimizer):
     ``lr * momentum * B`` as two updates (torch adds them first): about 1 ulp of
     the parameters per step (float32: 6e-8 after 5 steps; float64: 2e-16).  On
     the CPU the default backend runs torch's fused SGD kernel on the flat buffer
-    (``torch.optim.SGD(fused=True)``'s arithmetic: see dml_optim/fused.py).  Where torch decides the
+    (``torch.optim.SGD(fused=True)``'s arithmetic: see dml_optim/backends/fused.py).  Where torch decides the
     first buffer step by "no buffer yet", this rule decides it by ``T == 0``:
     turning ``momentum`` on mid-run with ``dampening != 0`` damps the first
     buffer step where torch would not.

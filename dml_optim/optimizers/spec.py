@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from dml_optim.functional import check_hyperparameter
+from dml_optim.core.functional import check_hyperparameter
 
 __all__ = ["Hyperparameter", "TorchAlias", "TorchEquivalent", "OptimizerSpec", "sync_group", "agree", "REQUIRED",
            "IMPLEMENTATION_FLAGS"]

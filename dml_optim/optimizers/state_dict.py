@@ -63,9 +63,9 @@ from typing import Any
 
 import torch
 
-from dml_optim.flat import FlatBuffer, is_distributed, local_tensor, param_piece, store_param_piece
-from dml_optim.quant import BLOCK, QuantizedState, format_for
-from dml_optim.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, check_state_bits,
+from dml_optim.core.flat import FlatBuffer, is_distributed, local_tensor, param_piece, store_param_piece
+from dml_optim.core.quant import BLOCK, QuantizedState, format_for
+from dml_optim.core.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, check_state_bits,
                                dtype_option)
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS, sync_group
 
@@ -78,7 +78,7 @@ SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "b
 EXTRA_STATES = ("master_param", "kahan_comp")
 #: Suffixes of a quantized state's entries: ``exp_avg_codes`` (uint8) and ``exp_avg_absmax`` (float32, per block).
 CODES, ABSMAX = "_codes", "_absmax"
-#: The codebook of quantized entries (``state_dict()["dml_optim"]["quantization"]``, dml_optim.quant).
+#: The codebook of quantized entries (``state_dict()["dml_optim"]["quantization"]``, dml_optim.core.quant).
 QUANTIZATION = "dml-optim-blockwise-1"
 
 
@@ -359,7 +359,7 @@ def _check_state(opt, saved_state, index_of, new_groups, version: int, saved_bit
 
 def _quantized_entry(cls, entry: dict, names: set, bits, quantization, p, where: str) -> dict:
     """``entry`` with each quantized state (``<name>_codes``, ``<name>_absmax``) checked and replaced by a
-    :class:`~dml_optim.quant.QuantizedState` under ``<name>`` (decoded or copied when staged)."""
+    :class:`~dml_optim.core.quant.QuantizedState` under ``<name>`` (decoded or copied when staged)."""
     if quantization != QUANTIZATION:
         _fail(f"{where} holds quantized states, but the state dict's 'dml_optim' says quantization="
               f"{quantization!r}, not {QUANTIZATION!r} (the codebook this dml_optim reads)")

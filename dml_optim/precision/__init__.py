@@ -15,6 +15,8 @@ One module per job:
 * :mod:`~dml_optim.precision.findings`: plain-language findings from the numbers;
 * :mod:`~dml_optim.precision.memory`: bytes per parameter of each precision
   mode, read from the optimizer's own tensors (the README's table).
+
+May import: core, dml, backends, optimizers, training, job, top.
 """
 
 from dml_optim.precision.configs import CONFIGS, Config

@@ -18,7 +18,7 @@ import torch
 
 from dml_optim.optimizers import registry
 from dml_optim.precision.configs import Config
-from dml_optim.quant import BLOCK, format_for
+from dml_optim.core.quant import BLOCK, format_for
 from dml_optim.precision.metrics import smallest_subnormal
 from dml_optim.precision.optimizers import epsilon_name, second_moment
 from dml_optim.precision.report import Report, Result, fmt
@@ -65,7 +65,7 @@ def findings(report: Report, numel: dict[str, int]) -> list[str]:
         for dtype, (fraction, names) in underflow.items():
             out.append(f"{stream['name']} stream: {_pct(fraction)} of gradient entries became 0 when stored in "
                        f"{_dtype_name(dtype)} (|g| below {smallest_subnormal(dtype) / 2:.3g}) in {', '.join(names)}; "
-                       "loss scaling (dml_optim.amp.DynamicLossScaler) shifts small gradients into range.")
+                       "loss scaling (dml_optim.training.amp.DynamicLossScaler) shifts small gradients into range.")
     seen = set()
     for s in report.skipped:
         if s["config"] not in seen:

@@ -18,10 +18,10 @@ from typing import Sequence
 
 import torch
 
-from dml_optim import toy
+from dml_optim.job import toy
 from dml_optim.precision.configs import CONFIGS, Config
 from dml_optim.precision.optimizers import make_optimizer
-from dml_optim.quant import tensors_of
+from dml_optim.core.quant import tensors_of
 
 __all__ = ["HIDDEN", "OPTIMIZERS", "Footprint", "measure", "memory_table"]
 

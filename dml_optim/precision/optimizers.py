@@ -58,7 +58,7 @@ def reference_optimizer(name: str, params: Iterable, hyperparameters: dict[str, 
     An optimizer without float64 (``DmlAdam``: DirectML has none) is
     referenced by :class:`~dml_optim.Adam` with ``alpha=beta1, beta=beta2``:
     the same rule for ``T >= 1`` (docs/design.md §2), both from
-    :func:`dml_optim.functional.adam_`.
+    :func:`dml_optim.core.functional.adam_`.
     """
     if _has_float64(name):
         return make_optimizer(name, params, REFERENCE, hyperparameters)

@@ -5,7 +5,7 @@ parameters; a configuration's gradient buffer rounds them to its storage
 dtype, exactly as autograd would:
 
 * ``recorded``: the gradients of an FP32 training run of the built-in MLP
-  (:mod:`dml_optim.toy`) with the same optimizer, recorded per step and
+  (:mod:`dml_optim.job.toy`) with the same optimizer, recorded per step and
   replayed into every configuration (``mlp`` workload only);
 * ``synthetic``: per element a fixed center ``c ~ U(-7.75, 1.75)`` and a
   fixed sign; at step ``t``, ``log10|g| = c + 0.25 * xi`` with ``xi ~ U(-1, 1)``,
@@ -86,7 +86,7 @@ def recorded_stream(optimizer: str, steps: int, seed: int, hyperparameters: dict
     the one it stepped with at step ``t``.  ``loss`` is the model's
     cross-entropy on the whole training set.
     """
-    from dml_optim import toy
+    from dml_optim.job import toy
 
     x, y, _, _ = toy.make_dataset(seed)
     model = toy.make_model(seed)
@@ -159,7 +159,7 @@ def gaussian_stream(init: torch.Tensor, shapes, steps: int, seed: int, std: floa
 def workload_params(workload: str, seed: int) -> tuple[torch.Tensor, list[tuple[int, ...]], str]:
     """``(init, shapes, name)`` for ``"mlp"`` or a model name or inventory path (:func:`dml_optim.inventory.resolve_model`)."""
     if workload == "mlp":
-        from dml_optim import toy
+        from dml_optim.job import toy
 
         model = toy.make_model(seed)
         shapes = [tuple(p.shape) for p in model.parameters()]

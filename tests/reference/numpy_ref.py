@@ -5,7 +5,7 @@ tensors as lists of arrays, one entry per optimized tensor) and returns new
 float64 arrays; nothing passed in is modified.  The body of every function is
 the spec's text, one line per spec line, applied to each tensor in turn
 ("with several tensors ... the same formula applies to each").  Deliberately
-not structured like ``dml_optim.functional``: no fused ops, no coefficient
+not structured like ``dml_optim.core.functional``: no fused ops, no coefficient
 helpers, no in-place updates.
 
 Sources: ONNX operator docs for ``ai.onnx.preview.training`` ``Adagrad-1``,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dml_optim.functional import check_hyperparameter
+from dml_optim.core.functional import check_hyperparameter
 
 __all__ = ["clip_grad_norm_", "NORM_BLOCK"]
 

@@ -14,7 +14,7 @@ its old storage is freed as packing goes (on the CPU, where untouched pages of
 the new buffer are not resident, the peak stays near one copy).  Off the CPU
 the new buffer is allocated whole, so by default (``pack_via="auto"``) the
 parameters are first staged through host memory: the device then never holds
-more than about one copy (:func:`dml_optim.packing.pack_values`).  The flat
+more than about one copy (:func:`dml_optim.core.packing.pack_values`).  The flat
 gradient buffer is allocated when the first gradient arrives, not at construction.
 
 Quantized states (``state_bits``) get a buffer of their own with an *aligned*
@@ -36,7 +36,7 @@ the old tensor), the counts and the first and last parameter for
 *staged*: the buffer is a working copy of their local shards, copied in and
 out around each step (:attr:`FlatBuffer.staged`).
 
-Step counts live in a :class:`~dml_optim.steps.StepCounter` per buffer;
+Step counts live in a :class:`~dml_optim.core.steps.StepCounter` per buffer;
 :meth:`FlatBuffer.permute` re-packs the buffer when ``None`` gradients left a
 class of parameters that step together in pieces.
 """
@@ -51,12 +51,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dml_optim.packing import describe_param, group_key, is_distributed, local_tensor, pack_values
-from dml_optim.quant import BLOCK, QuantizedState, block_mask
-from dml_optim.steps import StepCounter
+from dml_optim.core.packing import describe_param, group_key, is_distributed, local_tensor, pack_values
+from dml_optim.core.quant import BLOCK, QuantizedState, block_mask
+from dml_optim.core.steps import StepCounter
 
 __all__ = ["FlatBuffer", "Binding", "param_piece", "store_param_piece",
-           # (from dml_optim.packing, for the modules above)
+           # (from dml_optim.core.packing, for the modules above)
            "group_key", "describe_param", "local_tensor", "is_distributed", "pack_values"]
 
 _GRAD = operator.attrgetter("grad")
@@ -125,7 +125,7 @@ class FlatBuffer:
             last verified bound to the buffer with its gradient (None: not in that state; see :meth:`check`).
         ptrs: ``p.data_ptr()`` of each parameter when last bound (binding checks).
         states: flat state buffers by name (allocated by the optimizer at its first step): tensors,
-            or :class:`~dml_optim.quant.QuantizedState` in a quantized buffer.
+            or :class:`~dml_optim.core.quant.QuantizedState` in a quantized buffer.
         master: the FP32 master copy of the parameters (``master_weights=True``) or None.
         kahan: the Kahan compensation buffer (``kahan=True``) or None.
         scratch: the rule's scratch tensors (full size, or one chunk).
@@ -172,7 +172,7 @@ class FlatBuffer:
         self.settings: tuple | None = None  # the group's validated settings at this buffer's last step (a token)
         self.scalars: tuple | None = None  # (settings, {count: host scalars}) of the last masked update
         self.eager_s = 0.0  # wall time of its eager steps on the CPU under backend="auto" (the backends' tiering)
-        self.fused = None  # the fused backend's step tensors and per-parameter state views (dml_optim.fused)
+        self.fused = None  # the fused backend's step tensors and per-parameter state views (dml_optim.backends.fused)
         self.pending: list | None = None  # this step's gradients read in place (fused backend), else None
         # (gradients the parameters already have stay where they are: the first step reads or gathers them)
 
@@ -625,7 +625,7 @@ class FlatBuffer:
 
 def param_piece(flat: FlatBuffer, t, i: int):
     """Parameter ``i``'s part of the flat state ``t`` of ``flat``'s layout: a view of its values (shaped
-    like the parameter), or, for a :class:`~dml_optim.quant.QuantizedState`, its own blocks (a view)."""
+    like the parameter), or, for a :class:`~dml_optim.core.quant.QuantizedState`, its own blocks (a view)."""
     if isinstance(t, QuantizedState):
         return t[flat.offsets[i] : flat.offsets[i + 1]]
     a, b = flat.span(i)

@@ -1,8 +1,8 @@
 """The ``compiled`` backend: one optimizer step of one range fused into one kernel by ``torch.compile``.
 
 The eager backend runs a rule as a chain of about ten element-wise ops over a
-flat buffer.  Here the *same* code (:func:`dml_optim.update.fused_step`: the
-class's coefficients, its rule from :mod:`dml_optim.functional`, the
+flat buffer.  Here the *same* code (:func:`dml_optim.core.update.fused_step`: the
+class's coefficients, its rule from :mod:`dml_optim.core.functional`, the
 precision modes and the step counter's increment) is traced by
 ``torch.compile``; inductor fuses it into one loop that reads the parameters,
 gradients and states once and writes them once.
@@ -29,7 +29,7 @@ Falling back is never silent: if compilation is unavailable or fails, or
 dynamo's recompile limit is reached for a key (after which dynamo would run
 the Python eagerly without a word), the optimizer warns once
 (:class:`CompileFallbackWarning`) and runs the eager backend, and
-:func:`dml_optim.backends.resolved_backends` reports ``"eager"``.  Two cases run
+:func:`dml_optim.backends.choose.resolved_backends` reports ``"eager"``.  Two cases run
 the eager rule for a single call without a warning, because they are meant
 to: a ``TorchDispatchMode`` is active (the step audit, FLOP counters), or
 the caller is itself being traced by dynamo.
@@ -55,8 +55,8 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch
 
-from dml_optim.quant import QuantizedState, warm_tables
-from dml_optim.update import coefficient_dtype, fused_step, masked_step
+from dml_optim.core.quant import QuantizedState, warm_tables
+from dml_optim.core.update import coefficient_dtype, fused_step, masked_step
 
 __all__ = [
     "CompileFallbackWarning",
@@ -104,7 +104,7 @@ def _counting_kernels():
     """The active op recorder that counts compiled kernels (``OpRecorder(compiled=True)``), or None."""
     if _python_dispatch._get_current_dispatch_mode() is None:
         return None
-    from dml_optim.opcount import active_recorder
+    from dml_optim.core.opcount import active_recorder
 
     recorder = active_recorder()
     return recorder if recorder is not None and recorder.compiled else None
@@ -473,7 +473,7 @@ class KernelRunner:
 
     def _cached(self, group, flat) -> tuple[tuple, str]:
         cached = self._keys.get(flat)
-        from dml_optim.backends import resolve, tier_due
+        from dml_optim.backends.choose import resolve, tier_due
 
         due = tier_due(flat.device.type, flat.numel, flat.bits is not None, flat.eager_s)
         allocated = (len(flat.states), flat.master is None, flat.kahan is None, flat.numel, due)

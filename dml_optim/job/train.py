@@ -1,7 +1,7 @@
 """Training the built-in model on the built-in data: the library behind ``dml-optim train``.
 
 :func:`train` runs one optimizer (ours, or its ``torch.optim`` equivalent from
-docs/design.md §2) over the :mod:`dml_optim.toy` problem and returns a
+docs/design.md §2) over the :mod:`dml_optim.job.toy` problem and returns a
 :class:`RunResult`: losses before and after, held-out accuracy, median step
 times, and an audit of one optimizer step (aten ops per step and DirectML CPU
 fallbacks, from :func:`dml_optim.audit.audit_step`).  Two runs with the same
@@ -17,7 +17,7 @@ Precision (``TrainConfig.dtype``):
   loss is computed in FP32 from FP16 logits.
 * ``mixed``: FP16 parameters and gradients; ours keeps an FP32 master copy and
   FP32 state (``master_weights=True``) and scales the loss with
-  :class:`dml_optim.amp.DynamicLossScaler` (everything on the device).  The
+  :class:`dml_optim.training.amp.DynamicLossScaler` (everything on the device).  The
   torch.optim equivalent is torch's own recipe: FP32 parameters,
   ``torch.autocast(dtype=float16)`` and ``torch.amp.GradScaler``.
 """
@@ -33,10 +33,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as nnf
 
-from dml_optim import toy
+from dml_optim.job import toy
 from dml_optim.optimizers import registry
 from dml_optim.precision import epsilon_name
-from dml_optim.quant import MIN_ELEMENTS, QuantizedState
+from dml_optim.core.quant import MIN_ELEMENTS, QuantizedState
 
 __all__ = [
     "DTYPES", "DEVICES", "DEFAULT_STEPS", "DEFAULT_BATCH_SIZE", "FP16_EPSILON",
@@ -396,7 +396,7 @@ def _make_scaler(device: torch.device, mixed: bool, torch_amp: bool):
         return None
     if torch_amp:
         return torch.amp.GradScaler(device.type)
-    from dml_optim.amp import DynamicLossScaler
+    from dml_optim.training.amp import DynamicLossScaler
 
     return DynamicLossScaler(device=device)
 

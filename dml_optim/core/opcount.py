@@ -12,7 +12,7 @@ reaches the dispatcher below autograd.  Each event is classified:
 * ops outside the ``aten`` namespace (``profiler::_record_function_*``, which
   ``torch.optim.Optimizer`` wraps around every step) are ignored.
 
-A call of a compiled kernel (:mod:`dml_optim.compiled`) is one op: with
+A call of a compiled kernel (:mod:`dml_optim.backends.compiled`) is one op: with
 ``compiled=True`` the recorder lets the compiled backend run its kernel (outside
 the recorder) and records it as ``dml_optim::compiled_kernel``; otherwise the
 compiled backend runs its eager rule so that every op is seen (what the audit

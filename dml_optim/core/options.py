@@ -42,7 +42,7 @@ __all__ = [
     "check_choice",
 ]
 
-#: ``state_bits=``: full-precision states (None), or 8-bit / 4-bit block-quantized ones (dml_optim.quant).
+#: ``state_bits=``: full-precision states (None), or 8-bit / 4-bit block-quantized ones (dml_optim.core.quant).
 STATE_BITS = (None, 8, 4)
 #: ``backend=``: the eager op chain, the torch.compile'd kernel, torch's fused CPU kernel of the same rule,
 #: or the choice by device, settings and size.

@@ -2,7 +2,7 @@
 
 An optimizer class supplies the math as class-level functions of plain data
 (no instance): ``constants(hyper)`` and ``coefficients(hyper, T)`` (the
-per-step scalars, from :mod:`dml_optim.functional`) and ``rule(x, g,
+per-step scalars, from :mod:`dml_optim.core.functional`) and ``rule(x, g,
 *states, **scalars)`` (the in-place kernel).  This module strings them
 together:
 
@@ -15,7 +15,7 @@ together:
   FP32 master copy written back to the parameters, or Kahan-compensated
   low-precision parameters;
 * :func:`fused_step`: both, plus the step counter's increment, for the
-  compiled backend (:mod:`dml_optim.compiled` traces it into one kernel).
+  compiled backend (:mod:`dml_optim.backends.compiled` traces it into one kernel).
 
 The same code runs on Python numbers (eager, step counts known on the host:
 no device op for the scalars), on 0-d device tensors (gated or capturable
@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from dml_optim.quant import QuantizedState, block_mask, format_named
+from dml_optim.core.quant import QuantizedState, block_mask, format_named
 
 __all__ = ["step_scalars", "run_rule", "fused_step", "masked_scalars", "masked_step", "conversion_count",
            "coefficient_dtype", "storage_dtype"]
@@ -118,7 +118,7 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     ``compute_dtype`` are converted: into ``buffers`` (preallocated, same
     length as ``x``; eager) or by ``.to()`` (``fused``: inside a compiled
     graph, where nothing is materialized).  A state may be a
-    :class:`~dml_optim.quant.QuantizedState` (whole blocks): it is decoded the
+    :class:`~dml_optim.core.quant.QuantizedState` (whole blocks): it is decoded the
     same way, and encoded back after the rule.  ``valid``: per block, how many
     elements hold values (an aligned, padded layout): padding encodes as 0 and
     the parameters' padding is kept 0.  ``scratch``: the rule's own

@@ -29,7 +29,7 @@ from itertools import chain
 from typing import Any
 
 from dml_optim.optimizers.base import FlatOptimizer
-from dml_optim.options import STATE_DICT_FORMAT_VERSION
+from dml_optim.core.options import STATE_DICT_FORMAT_VERSION
 
 __all__ = ["zero_state_dict", "load_zero_state_dict", "local_state_dict"]
 

@@ -20,7 +20,7 @@ None where no kernel computes the rule; docs/design.md §2):
   bias correction (``sqrt(V) / sqrt(1 - beta**T) + eps``); that epsilon puts
   ours before it: ``(sqrt(V) + epsilon) / sqrt(1 - beta**T)``.
 
-The update math is still written once (:mod:`dml_optim.functional`, what
+The update math is still written once (:mod:`dml_optim.core.functional`, what
 every other backend runs); this backend is the equivalence of each rule with
 torch's kernel, and the tests hold its results to the same float64 references
 and torch twins as the others.  Rounding differs from the eager chain by
@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dml_optim.flat import _FAST_ATTRIBUTES, _IS_CONTIGUOUS
+from dml_optim.core.flat import _FAST_ATTRIBUTES, _IS_CONTIGUOUS
 
 __all__ = ["FusedFallbackWarning", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS", "unsupported", "kernel_scalars",
            "reads_in_place", "remember_read",
@@ -273,8 +273,8 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None, members: list, co
 
     ``grads``: per parameter, the gradient to read in place (None: no gradient), or None when the
     gradients are in the flat buffer.  ``members``: what steps, with ``counts``, the count of each: the
-    parameters with a gradient (``grads`` given: :meth:`dml_optim.steps.StepCounter.active_params`) or the
-    runs ``(first, stop)`` of them at one count (:meth:`~dml_optim.steps.StepCounter.active_runs`).
+    parameters with a gradient (``grads`` given: :meth:`dml_optim.core.steps.StepCounter.active_params`) or the
+    runs ``(first, stop)`` of them at one count (:meth:`~dml_optim.core.steps.StepCounter.active_runs`).
     Nothing is written here: the result is ``(kernel, argument lists, keyword arguments)`` per call; the
     step numbers are tensors made once per 256 counts (:meth:`_Cache.steps`), so running it writes
     nothing but the kernels' outputs.

@@ -1,15 +1,15 @@
 """Choosing how a flat buffer's rule runs: ``eager``, ``compiled`` or ``fused``.
 
-* ``eager``: the DirectML-native op chain of :mod:`dml_optim.functional`
+* ``eager``: the DirectML-native op chain of :mod:`dml_optim.core.functional`
   (about ten element-wise ops per step over the flat buffer).  Always used on
   DirectML (``privateuseone``), where every op is a native kernel and
   ``torch.compile`` has no backend.
 * ``compiled`` (CPU, CUDA): the same step fused into one kernel by
-  ``torch.compile`` (:mod:`dml_optim.compiled`).  Falls back to eager with one
-  :class:`~dml_optim.compiled.CompileFallbackWarning` per optimizer when
+  ``torch.compile`` (:mod:`dml_optim.backends.compiled`).  Falls back to eager with one
+  :class:`~dml_optim.backends.compiled.CompileFallbackWarning` per optimizer when
   compilation is unavailable or fails.
 * ``fused`` (CPU): torch's own fused CPU kernel of the same rule, called on
-  the flat buffers (:mod:`dml_optim.fused`).  Warns once and runs ``auto``'s
+  the flat buffers (:mod:`dml_optim.backends.fused`).  Warns once and runs ``auto``'s
   choice where it cannot (another device, a precision mode, ...).
 * ``auto``: eager on DirectML.  On the CPU, fused wherever it can run
   (:func:`fuses`): 1.0 to 3x faster than the compiled kernel called directly
@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from dml_optim import compiled as _compiled
-from dml_optim import fused as _fused
-from dml_optim.options import BACKENDS
+from dml_optim.backends import compiled as _compiled
+from dml_optim.backends import fused as _fused
+from dml_optim.core.options import BACKENDS
 
 __all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED", "AUTO_COMPILE_MIN_ELEMENTS_MASKED",
            "AUTO_COMPILE_AFTER_EAGER_S", "AUTO_TIER_MIN_ELEMENTS", "resolve", "fuses", "tiers", "tier_due", "tiering_pending", "runner_for",
@@ -108,7 +108,7 @@ def resolve(backend: str, device, numel: int, quantized: bool = False, eager_s: 
 
 
 def fuses(opt, group: dict[str, Any], flat) -> bool:
-    """Whether ``flat`` runs torch's fused kernel (:mod:`dml_optim.fused`) under ``group``'s settings:
+    """Whether ``flat`` runs torch's fused kernel (:mod:`dml_optim.backends.fused`) under ``group``'s settings:
     ``backend`` is ``"fused"`` or ``"auto"`` and the buffer qualifies (``backend="fused"`` warns once where
     it does not).  Not while dynamo traces the step, nor under a dispatch mode other than the op counter
     (the audit records the op chain DirectML runs)."""
@@ -214,7 +214,7 @@ def compiles(opt, group: dict[str, Any], flat) -> bool:
 def resolved_backend(opt, group: dict[str, Any], flat) -> str:
     """The backend ``flat`` runs with now (after any fallback; an invalid option: ``"eager"``,
     the next step refuses it).  ``"fused"`` is what its plain steps run: a step gated on a
-    ``GradScaler``'s ``found_inf`` and one at a count beyond :data:`dml_optim.fused.MAX_COUNT` (or whose
+    ``GradScaler``'s ``found_inf`` and one at a count beyond :data:`dml_optim.backends.fused.MAX_COUNT` (or whose
     kernel scalars leave the dtype's range) run the rule as :func:`resolve` decides, eager or compiled."""
     if group["backend"] in ("auto", "fused") and fuses(opt, group, flat):
         return "fused"
