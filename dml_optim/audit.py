@@ -44,7 +44,26 @@ Counting rules (what :class:`AuditReport` reports):
   scratch of the optimizer are collected first) and is not one of the op's
   inputs' storages (so in-place ops, ``out=`` ops and views do not count),
   excluding empty tensors and 0-d CPU tensors (Python scalars wrapped by
-  torch).
+  torch).  ``peak_allocated_bytes``: the most of those alive at once (freed
+  when the step drops its last reference to the tensor an op returned).
+* **bytes moved** (memory traffic, what a bandwidth-bound device spends its
+  time on): per op that does work, each *distinct* tensor it reads (an
+  argument that is not an ``out=`` argument, counted once however often it
+  appears, ``numel * element_size`` of the tensor as passed: a view counts
+  its own elements) and each tensor it writes (a returned tensor, an
+  ``out=`` argument, the ``self`` of an in-place op); an in-place op's
+  ``self`` is counted both read and written, an ``out=`` argument written
+  only.  Views and the ops on torch.optim's CPU step counters move nothing on
+  the device.  ``least_bytes``: what any step must move, reading the
+  parameters, gradients and states once and writing the parameters and states
+  once (the optimizer's own tensors: codes and scales for a quantized state).
+* **fallback bus bytes**: an op that falls back to the CPU on DirectML copies
+  the tensors it reads to the host and the tensors it writes back: its bytes
+  cross the bus as well as the device's memory, so they count twice in
+  ``bytes_with_fallbacks`` (``bytes_moved + fallback_bus_bytes``).
+* **scratch kept**: the bytes of the tensors a ``dml_optim`` optimizer keeps
+  between steps beyond parameters, gradients and states (the eager rule's
+  scratch, the masked update's owner index); torch.optim keeps none.
 
 Limitations: the recording sees what the dispatcher sees.  A device-to-host
 copy through ``.tolist()``/``.numpy()``/``.cpu()`` is only visible when the
@@ -53,6 +72,7 @@ parameters are on an accelerator; on the CPU it is no op at all.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -124,6 +144,51 @@ def _element_args(args, kwargs) -> tuple[list, dict]:
     return [first(a) for a in args], {k: first(v) for k, v in kwargs.items()}
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What makes two tensor arguments the same operand: the same elements of the same memory."""
+    try:
+        ptr = t.data_ptr()
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage: by identity)
+        ptr = id(t)
+    return (ptr, t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
+
+
+def op_bytes(func, args, kwargs, out) -> tuple[int, int]:
+    """``(read, written)`` bytes of one op call (the audit's rule, see the module docstring).
+
+    Arguments are bound to the op's schema: an argument the schema marks as written (``Tensor(a!)``) is
+    written; it is read too unless it is an ``out=`` argument (keyword-only); every other tensor argument is
+    read.  Without a written argument, the returned tensors are written.  Each distinct tensor counts once
+    per side.
+    """
+    reads: dict[tuple, int] = {}
+    writes: dict[tuple, int] = {}
+    arguments = func._schema.arguments
+    for i, arg in enumerate(arguments):
+        if i < len(args) and not arg.kwarg_only:
+            value = args[i]
+        elif arg.name in kwargs:
+            value = kwargs[arg.name]
+        else:
+            continue
+        written = arg.alias_info is not None and arg.alias_info.is_write
+        is_out = written and (getattr(arg, "is_out", False) or arg.kwarg_only)
+        for t in _tensors(value):
+            key = _tensor_key(t)
+            if written:
+                writes[key] = _nbytes(t)
+            if not is_out:
+                reads[key] = _nbytes(t)
+    if not any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
+        for t in _tensors(out):
+            writes[_tensor_key(t)] = _nbytes(t)
+    return sum(reads.values()), sum(writes.values())
+
+
 @dataclass
 class _Event:
     name: str
@@ -132,6 +197,8 @@ class _Event:
     element: str | None
     func: Any
     view: bool
+    read: int = 0
+    written: int = 0
 
 
 class _Recorder(OpRecorder):
@@ -144,6 +211,8 @@ class _Recorder(OpRecorder):
         self.records: list[_Event] = []
         self.allocations = 0
         self.allocated_bytes = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
         self._meta_args: dict[str, tuple] = {}
 
     def on_op(self, func, args, kwargs, out) -> None:
@@ -155,7 +224,10 @@ class _Recorder(OpRecorder):
         if name not in self._meta_args:  # one example call per op, as meta tensors, for decompositions
             call_args, call_kwargs = _element_args(args, kwargs) if element is not None else (args, kwargs)
             self._meta_args[name] = (to_meta(list(call_args)), to_meta(dict(call_kwargs)))
-        self.records.append(_Event(name, count, tuple(_storage_ptr(t) for t in first), element, func, is_view(func)))
+        view = is_view(func)
+        read, written = (0, 0) if view else op_bytes(func, args, kwargs, out)
+        self.records.append(_Event(name, count, tuple(_storage_ptr(t) for t in first), element, func, view,
+                                   read, written))
         self._count_allocations(args, kwargs, out)
 
     def _count_allocations(self, args, kwargs, out) -> None:
@@ -167,7 +239,14 @@ class _Recorder(OpRecorder):
             if ptr in self.known or ptr in inputs:
                 continue
             self.allocations += 1
-            self.allocated_bytes += t.untyped_storage().nbytes()
+            size = t.untyped_storage().nbytes()
+            self.allocated_bytes += size
+            self.live_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            weakref.finalize(t, self._freed, size)
+
+    def _freed(self, size: int) -> None:
+        self.live_bytes -= size
 
 
 # --------------------------------------------------------------------------
@@ -266,6 +345,12 @@ class AuditReport:
         flat_buffers: flat buffers of a dml_optim optimizer, else parameter tensors.
         num_tensors, numel: parameter tensors and elements.
         device: where the step was recorded.
+        bytes_read, bytes_written: the memory traffic of the device ops (see the module docstring).
+        fallback_bus_bytes: the bytes of the ops that fall back on DirectML, which also cross the bus.
+        least_bytes: what any step must move (parameters, gradients, states read once; parameters and
+            states written once).
+        scratch_bytes: tensors kept between steps beyond parameters, gradients and states.
+        peak_allocated_bytes: the most bytes of the step's own allocations alive at once.
     """
 
     optimizer: str
@@ -283,6 +368,26 @@ class AuditReport:
     numel: int = 0
     device: str = "cpu"
     kinds: dict[str, str] = field(default_factory=dict)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    fallback_bus_bytes: int = 0
+    least_bytes: int = 0
+    scratch_bytes: int = 0
+    peak_allocated_bytes: int = 0
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes read plus bytes written by the step's device ops."""
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def bytes_with_fallbacks(self) -> int:
+        """:attr:`bytes_moved` with each fallback's bytes counted a second time, over the bus."""
+        return self.bytes_moved + self.fallback_bus_bytes
+
+    def per_param(self, n: int) -> float:
+        """``n`` bytes per parameter element (0 without parameters)."""
+        return n / self.numel if self.numel else 0.0
 
     @property
     def fallback_ops(self) -> int:
@@ -313,6 +418,18 @@ class AuditReport:
             "cpu_step_reads": self.cpu_step_reads,
             "allocations": self.allocations,
             "allocated_bytes": self.allocated_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "bytes_moved": self.bytes_moved,
+            "bytes_moved_per_param": self.per_param(self.bytes_moved),
+            "fallback_bus_bytes": self.fallback_bus_bytes,
+            "bytes_with_fallbacks": self.bytes_with_fallbacks,
+            "bytes_with_fallbacks_per_param": self.per_param(self.bytes_with_fallbacks),
+            "least_bytes": self.least_bytes,
+            "least_bytes_per_param": self.per_param(self.least_bytes),
+            "scratch_bytes": self.scratch_bytes,
+            "scratch_bytes_per_param": self.per_param(self.scratch_bytes),
             "all_native": self.all_native,
             "ops": [{"op": op, "count": n, "resolution": how, "kind": self.kinds.get(op, "unknown")}
                     for op, n, how in self.ops],
@@ -330,8 +447,16 @@ class AuditReport:
             + (f" ({', '.join(f'{op} x{n}' for op, n in self.fallbacks)})" if self.fallbacks else ""),
             f"  host syncs:                    {self.host_syncs}",
             f"  CPU step-counter reads:        {self.cpu_step_reads} (not a device sync on DirectML)",
-            f"  allocations:                   {self.allocations} ({_bytes(self.allocated_bytes)})",
+            f"  allocations:                   {self.allocations} ({_bytes(self.allocated_bytes)}, "
+            f"at most {_bytes(self.peak_allocated_bytes)} alive at once)",
+            f"  bytes moved (read + written):  {_bytes(self.bytes_moved)}, "
+            f"{self.per_param(self.bytes_moved):.1f} per parameter (least: {self.per_param(self.least_bytes):.1f})",
+            f"  scratch kept between steps:    {_bytes(self.scratch_bytes)} "
+            f"({self.per_param(self.scratch_bytes):.2f} per parameter)",
         ]
+        if self.fallback_bus_bytes:
+            lines.append(f"  fallbacks' bytes over the bus: {_bytes(self.fallback_bus_bytes)} (counted twice: "
+                         f"{self.per_param(self.bytes_with_fallbacks):.1f} per parameter in all)")
         if self.host_ops:
             lines.append(f"  ops on CPU step counters:      {sum(n for _, n in self.host_ops)} (run on the host)")
         rows = self.ops if top is None else self.ops[:top]
@@ -415,6 +540,8 @@ def _report(optimizer, recorder: _Recorder, counters: set[int]) -> AuditReport:
     host_ops: Counter = Counter()
     host_syncs = cpu_reads = 0
     views = 0
+    read_by: Counter = Counter()
+    written_by: Counter = Counter()
     for ev in recorder.records:
         if ev.view:  # metadata only (opcount's definition): counted apart from the ops
             views += ev.count
@@ -429,6 +556,8 @@ def _report(optimizer, recorder: _Recorder, counters: set[int]) -> AuditReport:
             host_ops[ev.name] += ev.count
             continue
         ops[ev.element or ev.name] += ev.count
+        read_by[ev.element or ev.name] += ev.read
+        written_by[ev.element or ev.name] += ev.written
     funcs = {ev.element or ev.name: (ev.func if ev.element is None else None, ev.name) for ev in recorder.records}
     rows, kinds, fallbacks = [], {}, []
     for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -457,7 +586,59 @@ def _report(optimizer, recorder: _Recorder, counters: set[int]) -> AuditReport:
         numel=sum(p.numel() for p in params),
         device=device,
         kinds=kinds,
+        bytes_read=sum(read_by.values()),
+        bytes_written=sum(written_by.values()),
+        fallback_bus_bytes=sum(read_by[op] + written_by[op] for op, _ in fallbacks),
+        least_bytes=_least_bytes(optimizer),
+        scratch_bytes=_scratch_bytes(optimizer),
+        peak_allocated_bytes=recorder.peak_bytes,
     )
+
+
+def _flats(optimizer) -> list:
+    """The flat buffers of a ``dml_optim`` optimizer (the engine's own objects: the owner index too)."""
+    layouts = getattr(optimizer, "_layout", None)
+    if layouts is not None:
+        return [flat for layout in layouts for flat in layout.buffers]
+    return list(optimizer.flat_buffers())
+
+
+def _least_bytes(optimizer) -> int:
+    """What any step of ``optimizer`` must move: parameters (or the master copy) and states read and written
+    once, gradients read once (the Kahan compensation as a state)."""
+    from dml_optim.core.quant import tensors_of
+
+    if hasattr(optimizer, "flat_buffers"):
+        total = 0
+        for flat in _flats(optimizer):
+            values = [flat.data] + [t for t in (flat.master, flat.kahan) if t is not None]
+            states = [t for s in flat.states.values() for t in tensors_of(s)]
+            total += 2 * sum(map(_nbytes, values + states)) + (_nbytes(flat.grad) if flat.grad is not None else
+                                                              _nbytes(flat.data))
+        return total
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state.get(p, {})
+            tensors = [v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0]
+            total += 2 * (_nbytes(p) + sum(map(_nbytes, tensors))) + _nbytes(p.grad)
+    return total
+
+
+def _scratch_bytes(optimizer) -> int:
+    """Bytes a ``dml_optim`` optimizer keeps between steps beyond its parameters, gradients and states."""
+    if not hasattr(optimizer, "flat_buffers"):
+        return 0
+    total = 0
+    for flat in _flats(optimizer):
+        kept = list(getattr(flat, "scratch", None) or [])
+        owner = getattr(flat, "_owner", None)
+        if owner is not None:
+            kept.append(owner)
+        total += sum(map(_nbytes, kept))
+    return total
 
 
 # --------------------------------------------------------------------------

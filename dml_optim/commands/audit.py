@@ -16,7 +16,7 @@ import sys
 
 from dml_optim.commands import UsageError
 
-HELP = "count the aten ops, CPU fallbacks, host syncs and allocations of one step, ours vs torch.optim"
+HELP = "count the aten ops, CPU fallbacks, host syncs, allocations and bytes moved of one step, ours vs torch.optim"
 
 DESCRIPTION = """\
 Record the aten ops of one optimizer step (after one warm-up step) and resolve
@@ -33,7 +33,14 @@ torch 2.4 uses on a DirectML (privateuseone) device:
   momentum  dml_optim.Momentum vs torch.optim.SGD(momentum=alpha, dampening=1-beta)
 
 foreach ops count as one op per tensor (torch-directml has no foreach
-kernels). Reads of torch.optim's CPU step counters are reported apart from
+kernels). Bytes moved: per op, each distinct tensor read and each tensor
+written (an in-place op's tensor both, an out= tensor written only), per
+parameter; "least" is what any step must move (parameters, gradients and
+states read once, parameters and states written once). An op that falls back
+to the CPU on DirectML copies its tensors to the host and back: its bytes
+cross the bus too, so they are counted twice in "bytes incl. fallback round
+trips". Scratch: what the optimizer keeps between steps beyond parameters,
+gradients and states; allocations: what the step allocates while it runs. Reads of torch.optim's CPU step counters are reported apart from
 host syncs: they are not device syncs on DirectML. The recording runs on the
 CPU here; the resolution is the table's. Parameters and gradients are float32
 on the CPU: a model of N parameters needs about 4*N bytes per copy (params,
@@ -138,6 +145,10 @@ def _row(label: str, a, b) -> str:
     return f"  {label:<34} {str(a):>16} {str(b):>22}"
 
 
+def _per(report, n: int) -> str:
+    return f"{report.per_param(n):.2f}"
+
+
 def run(args) -> int:
     from dml_optim.console import Progress
 
@@ -173,6 +184,14 @@ def run(args) -> int:
     print(_row("host syncs", ours.host_syncs, theirs.host_syncs))
     print(_row("CPU step-counter reads (no sync)", ours.cpu_step_reads, theirs.cpu_step_reads))
     print(_row("allocations", ours.allocations, theirs.allocations))
+    print(_row("allocated during the step (B/param)", _per(ours, ours.allocated_bytes),
+               _per(theirs, theirs.allocated_bytes)))
+    print(_row("scratch kept between steps (B/param)", _per(ours, ours.scratch_bytes),
+               _per(theirs, theirs.scratch_bytes)))
+    print(_row("bytes moved per parameter", _per(ours, ours.bytes_moved), _per(theirs, theirs.bytes_moved)))
+    print(_row("  incl. fallback round trips", _per(ours, ours.bytes_with_fallbacks),
+               _per(theirs, theirs.bytes_with_fallbacks)))
+    print(_row("  least any step moves", _per(ours, ours.least_bytes), _per(theirs, theirs.least_bytes)))
     print(_row("every op native on DirectML", "yes" if ours.all_native else "no", "yes" if theirs.all_native else "no"))
     for report in (ours, theirs):
         print()
@@ -184,4 +203,7 @@ def run(args) -> int:
             print(f"  ... {len(report.ops) - args.top} more")
         for op, n in report.fallbacks:
             print(f"  fallback: {op} x{n} (copied to the CPU and back each step)")
+        if report.fallback_bus_bytes:
+            print(f"  the fallbacks' {report.per_param(report.fallback_bus_bytes):.2f} bytes per parameter cross the "
+                  "bus as well as the device's memory: counted twice")
     return 0
