@@ -1,8 +1,9 @@
-"""The README's memory table (bytes per parameter of each precision configuration) is the measured one,
-and what it and the text around it say follows from the dtypes.
+"""The memory table (bytes per parameter of each precision configuration, on the site's precision page) and
+the README's training-bytes table are the measured ones, and what they and the text around them say follows
+from the dtypes.
 
 The table is rebuilt here by :func:`dml_optim.precision.memory.memory_table`
-(from the optimizer's own tensors) and compared with the README's block, so
+(from the optimizer's own tensors) and compared with the page's block, so
 it cannot go stale; the by-hand expectations below check the measurement
 itself: parameters and gradients take the parameters' dtype, Adam's two
 states the state dtype, a master copy 4 bytes, a compensation buffer the
@@ -23,6 +24,8 @@ from dml_optim.precision import CONFIGS, make_optimizer
 from dml_optim.precision.memory import HIDDEN, OPTIMIZERS, measure, memory_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+#: The site's page that holds the whole memory table (the README holds the training-bytes one).
+PRECISION_PAGE = README.parent / "docs" / "guide" / "precision.md"
 
 #: (parameters, gradients, states, master copy, compensation) in bytes per parameter, by hand from the dtypes:
 #: FP32 4 bytes, FP16/BF16 2; Adam and AdamW keep two states (exp_avg, exp_avg_sq), in FP32 with master
@@ -65,8 +68,8 @@ def footprints():
 
 
 def _readme_block() -> str:
-    match = re.search(r"<!-- MEMORY-TABLE -->\n(.*?)\n<!-- /MEMORY-TABLE -->", README.read_text(), flags=re.S)
-    assert match, "README.md has no <!-- MEMORY-TABLE --> block"
+    match = re.search(r"<!-- MEMORY-TABLE -->\n(.*?)\n<!-- /MEMORY-TABLE -->", PRECISION_PAGE.read_text(), flags=re.S)
+    assert match, "docs/guide/precision.md has no <!-- MEMORY-TABLE --> block"
     return match.group(1)
 
 

@@ -1,5 +1,7 @@
-"""The README: a Quick start of exactly two commands (the second is the one CI runs), with the
-torch choice before them; every Python block runs as written; the facts it states hold.
+"""The README and the user documentation it links to: a Quick start of exactly two commands (the second
+is the one CI runs), with the torch choice before them; every Python block of the README runs as
+written (the site's: tests/test_docs_examples.py, with the same rules); the facts they state hold,
+each checked on the page where it now lives (docs/, the site's pages).
 
 Python blocks: every ```python block is run, as written, in its own interpreter
 (on the CPU, with a timeout), so a new section's blocks are picked up without
@@ -27,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 TEST_COMMAND_FILE = ROOT / ".ci" / "test-command"
 CI_RUN = ROOT / ".ci" / "run"
 
@@ -98,20 +101,31 @@ def test_ci_run_executes_the_test_command_file():
     assert extracted.stdout == _ci_test_command()
 
 
+def _page(name: str) -> str:
+    """The text of the site's page ``docs/<name>``."""
+    return (DOCS / name).read_text()
+
+
 def test_readme_links_to_files_that_exist_or_are_generated():
     text = README.read_text()
     generated = {"docs/divergence.png", "docs/compare-report.md"}  # written by `dml-optim compare` (another task)
     for target in re.findall(r"\]\(((?!https?://|#)[^)]+)\)", text):
-        assert (ROOT / target).exists() or target in generated, f"README links to missing {target}"
-    for path in ("examples/ddp_train.py", "dml_optim/data/shapes/descriptors/valid-minimal.json",
-                 "dml_optim/data/shapes/descriptors/many-violations.json"):
-        assert path in text and (ROOT / path).exists(), path
+        assert (ROOT / target.split("#")[0]).exists() or target in generated, f"README links to missing {target}"
+    # the README links into every part of the site (the site's own links: `mkdocs build --strict`)
+    for page in ("docs/index.md", "docs/install.md", "docs/cli.md", "docs/api.md", "docs/performance.md",
+                 "docs/limitations.md", "docs/contributing.md"):
+        assert f"]({page})" in text, page
+    for page, path in (("guide/distributed.md", "examples/ddp_train.py"),
+                       ("directml.md", "dml_optim/data/shapes/descriptors/valid-minimal.json"),
+                       ("directml.md", "dml_optim/data/shapes/descriptors/many-violations.json")):
+        assert path in _page(page) and (ROOT / path).exists(), path
     # models are named (`--model resnet50`), not paths into a checkout's old shapes/ folder
-    assert not re.search(r"(?<!data/)shapes/(models|descriptors)/", text)
+    for path in (README, *DOCS.rglob("*.md")):
+        assert not re.search(r"(?<!data/)shapes/(models|descriptors)/", path.read_text()), path
 
 
 def test_swap_example_runs():
-    # the "Replace torch.optim.Adam" snippet, executed as written (on the best device here)
+    # the README's "Replace torch.optim.Adam" snippet, executed as written (on the best device here)
     section = _section(README.read_text(), "Replace `torch.optim.Adam`")
     code = re.search(r"^```python\n(.*?)^```", section, flags=re.M | re.S)
     assert code, "no python block in the 'Replace torch.optim.Adam' section"
@@ -125,9 +139,11 @@ def test_readme_states_the_epsilon_placement_and_cites_the_directml_issues():
     text = README.read_text()
     for issue in ("604", "626", "675"):
         assert f"https://github.com/microsoft/DirectML/issues/{issue}" in text
-    assert "equal only when epsilon = 0" in text
-    assert "torch==2.4.1" in text and "WSL" in text and "LD_LIBRARY_PATH" in text
-    assert "HYPOTHESIS_PROFILE=fuzz python -m pytest tests -k fuzz" in text
+    assert "equal only when epsilon = 0" in _page("guide/optimizers.md")
+    directml = _page("directml.md")
+    assert "torch==2.4.1" in directml and "WSL" in directml and "LD_LIBRARY_PATH" in directml
+    assert "torch==2.4.1" in _page("install.md") and "WSL" in _page("install.md")
+    assert "HYPOTHESIS_PROFILE=fuzz python -m pytest tests -k fuzz" in _page("contributing.md")
 
 
 # ----------------------------------------------------------------------------
@@ -194,39 +210,45 @@ _BLOCKS = python_blocks(README.read_text())
 
 
 def test_the_readme_has_python_blocks_and_few_partial_ones():
-    assert len(_BLOCKS) >= 3
+    assert len(_BLOCKS) >= 1  # the drop-in snippet; the guide's examples are the site's (tests/test_docs_examples.py)
     assert sum(reason is not None and not reason.startswith("needs torch>=") for *_, reason in _BLOCKS) <= MAX_NOT_RUN
 
 
-@pytest.mark.parametrize("line,code,reason", _BLOCKS, ids=[f"README.md:{line}" for line, *_ in _BLOCKS])
-def test_python_block_runs_as_written(line, code, reason, tmp_path):
+def run_block(where: str, code: str, reason: str | None, tmp_path: Path) -> None:
+    """Run ``code`` (the block at ``where``, e.g. ``README.md:12``) as a script in its own interpreter on the CPU;
+    its output must be what its ``# -> TEXT`` comments say.  Skips, with the reason, a block marked not to run."""
     if reason is not None:
-        pytest.skip(f"README.md:{line} is marked not-run: {reason}")
-    script = tmp_path / f"readme_{line}.py"
+        pytest.skip(f"{where} is marked not-run: {reason}")
+    script = tmp_path / (re.sub(r"\W+", "_", where) + ".py")
     script.write_text(code, encoding="utf-8")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",  # on the CPU, whatever the machine has
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"README.md:{line} failed:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{where} failed:\n{proc.stderr[-3000:]}"
     expected = expected_output(code)
     if expected:
-        assert proc.stdout.splitlines() == expected, f"README.md:{line} printed {proc.stdout!r}"
+        assert proc.stdout.splitlines() == expected, f"{where} printed {proc.stdout!r}"
+
+
+@pytest.mark.parametrize("line,code,reason", _BLOCKS, ids=[f"README.md:{line}" for line, *_ in _BLOCKS])
+def test_python_block_runs_as_written(line, code, reason, tmp_path):
+    run_block(f"README.md:{line}", code, reason, tmp_path)
 
 
 # ----------------------------------------------------------------------------
-# facts the README states (issue item 8)
+# facts the documentation states (issue item 8), on the pages where they live
 # ----------------------------------------------------------------------------
 
 def test_loss_scaling_says_the_model_must_be_fp16():
-    section = _section(README.read_text(), "Loss scaling")
+    section = _page("guide/loss-scaling.md")
     assert "master_weights=True` needs FP16" in section
     code = _FENCE.search(section).group(1)
     assert "float16" in code and "master_weights=True" in code and "import dml_optim" in code
 
 
 def test_audit_step_snippet_takes_a_warm_up_step_first():
-    section = _section(README.read_text(), "Audit a step")
+    section = _page("guide/audit.md")
     assert "one-time" in section
     code = _FENCE.search(section).group(1)
     first, steady = expected_output(code)  # the first step's counts, then a steady step's
@@ -236,8 +258,8 @@ def test_audit_step_snippet_takes_a_warm_up_step_first():
 def test_hyperparameter_passing_is_described_as_it_is():
     import dml_optim
 
-    text = " ".join(README.read_text().split())  # sentences, whatever the line breaks
-    assert "must be passed by keyword" not in text
+    text = " ".join(_page("guide/replacing-torch-optim.md").split())  # sentences, whatever the line breaks
+    assert all("must be passed by keyword" not in p.read_text() for p in (README, *DOCS.rglob("*.md")))
     assert "`lr` may be passed by position" in text and "every other hyperparameter is keyword-only" in text
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     for cls in (dml_optim.Adam, dml_optim.DmlAdam, dml_optim.Momentum):
@@ -257,9 +279,9 @@ def test_hyperparameter_passing_is_described_as_it_is():
 
 def test_mixed_precision_op_counts_are_the_measured_ones():
     from dml_optim.optimizers.registry import NAMES as OPTIMIZERS
-    from dml_optim.training import TrainConfig, train
+    from dml_optim.job.train import TrainConfig, train
 
-    limitations = _section(README.read_text(), "Limitations")
+    limitations = _page("limitations.md")
     low, high = map(int, re.search(r"about (\d+) to (\d+) ops per flat buffer", limitations).groups())
     ops = {name: train(TrainConfig(optimizer=name, dtype="mixed", steps=3), device="cpu").audit["total_ops"]
            for name in OPTIMIZERS}

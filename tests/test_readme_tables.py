@@ -1,4 +1,5 @@
-"""The README's audit and benchmark tables are what ``tools/readme_tables.py`` writes from the committed results."""
+"""The generated tables of the README and the documentation site are what ``tools/readme_tables.py`` writes from
+the committed results; a table the two share is the same text in both."""
 
 from __future__ import annotations
 
@@ -23,10 +24,39 @@ from test_bench_smoke import construction_record, host_row, nonepattern_record  
 
 
 def test_readme_holds_what_the_script_writes():
+    """README.md and docs/ hold what the script writes; the measured tables (tests/test_memory_table.py measures
+    them) are checked for being the same in every file that holds them."""
     out = io.StringIO()
     with redirect_stdout(out):
-        status = readme_tables.main(["--check"])
-    assert status == 0, "README.md differs from `python tools/readme_tables.py`:\n" + out.getvalue()[-3000:]
+        status = readme_tables.main(["--check", "--skip-measured"])
+    assert status == 0, "a file differs from `python tools/readme_tables.py`:\n" + out.getvalue()[-3000:]
+
+
+def test_every_table_is_placed_and_the_readme_holds_the_headline_ones():
+    placed = {name: [p.relative_to(ROOT).as_posix() for p in readme_tables.files()
+                     if f"<!-- {name} -->" in p.read_text(encoding="utf-8")] for name in readme_tables.TABLES}
+    assert all(placed.values()), placed
+    # one short table each for DirectML ops, speed, memory and precision in the README, each also on the site
+    for name in ("AUDIT-TABLE", "SPEED-TABLE", "TRAINING-BYTES", "PRECISION-TABLE"):
+        assert placed[name][0] == "README.md" and len(placed[name]) >= 2, (name, placed[name])
+    for name in ("BENCH-TABLE", "LOWBIT-TABLE", "MEMORY-TABLE"):  # the long ones: the site only
+        assert "README.md" not in placed[name], name
+    assert readme_tables.MEASURED <= set(readme_tables.TABLES)
+
+
+def test_a_measured_table_that_differs_between_files_is_reported(tmp_path, monkeypatch):
+    readme, page = tmp_path / "README.md", tmp_path / "page.md"
+    readme.write_text("<!-- TRAINING-BYTES -->\nmeasured\n<!-- /TRAINING-BYTES -->\n", encoding="utf-8")
+    page.write_text("<!-- TRAINING-BYTES -->\nstale\n<!-- /TRAINING-BYTES -->\n", encoding="utf-8")
+    monkeypatch.setattr(readme_tables, "files", lambda: [readme, page])
+    monkeypatch.setattr(readme_tables, "ROOT", tmp_path)
+    monkeypatch.setattr(readme_tables, "TABLES", {"TRAINING-BYTES": lambda: pytest.fail("measured")})
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert readme_tables.main(["--check", "--skip-measured"]) == 1
+    assert "-stale" in out.getvalue() and "+measured" in out.getvalue()
+    readme_tables.main(["--skip-measured"])
+    assert page.read_text(encoding="utf-8") == readme.read_text(encoding="utf-8")
 
 
 def test_every_source_is_committed_and_complete():
@@ -68,7 +98,7 @@ def test_the_published_runs_hold_the_rows_of_the_issues():
 
 
 def test_a_changed_number_changes_the_tables():
-    sections = readme_tables.sections()
+    sections = readme_tables.sections(skip_measured=True)
     audit = readme_tables._load("audit")
     changed = copy.deepcopy(audit)
     changed["rows"][0]["torch"]["total_ops"] += 1
@@ -100,6 +130,28 @@ def test_render_replaces_only_between_the_markers_and_names_a_missing_one():
     assert readme_tables.render(text, {"X": "new"}) == "a\n<!-- X -->\nnew\n<!-- /X -->\nb\n"
     with pytest.raises(ValueError, match="<!-- Y -->"):
         readme_tables.render(text, {"Y": "new"})
+    # a file gets the tables whose markers it holds, and only those
+    contents = {"AUDIT-TABLE": "audit", "SPEED-TABLE": "speed"}
+    page = "<!-- SPEED-TABLE -->\nold\n<!-- /SPEED-TABLE -->\n"
+    assert readme_tables.render_file(page, contents) == "<!-- SPEED-TABLE -->\nspeed\n<!-- /SPEED-TABLE -->\n"
+
+
+def test_the_headline_tables_follow_their_sources():
+    cpu, cuda = readme_tables._load("cpu"), readme_tables._load("cuda")
+    table = readme_tables.speed_headline(cpu, cuda)
+    for work, optimizer in readme_tables._HEADLINE_SPEED:  # each row: ours and torch fused, as the full table has
+        auto = reference(cpu, optimizer, work)["auto_backend"]
+        ms = readme_tables._ms(speed_row(cpu, optimizer, work, f"dml_optim {auto}"))
+        assert any(x.startswith(f"| {work} | {optimizer} | {ms} / ") for x in table.splitlines()), (work, optimizer)
+    slower = copy.deepcopy(cpu)
+    speed_row(slower, "adam", "resnet50", f"dml_optim {reference(cpu, 'adam', 'resnet50')['auto_backend']}")["ms_per_step"] *= 2
+    assert readme_tables.speed_headline(slower, cuda) != table
+    report_text = (ROOT / readme_tables.COMPARE_REPORT).read_text(encoding="utf-8")
+    precision = readme_tables.precision_headline(report_text, readme_tables.COMPARE_REPORT)
+    assert "| `fp16-kahan` | 0.000209 | 6.92% | 0.625 |" in precision.splitlines()
+    row = next(x for x in report_text.splitlines() if x.startswith("| fp16-kahan | recorded |"))
+    changed = report_text.replace(row, row.replace("| 0.000209 |", "| 0.5 |"))
+    assert "| `fp16-kahan` | 0.5 | 6.92% | 0.625 |" in readme_tables.precision_headline(changed, "x").splitlines()
 
 
 def _older(doc: dict) -> dict:
@@ -238,4 +290,4 @@ def test_a_document_with_the_fused_backend_says_what_auto_ran():
     assert {t["dml_backend"] for t in cpu["targets"] if t.get("row") in ("speed", "frozen", "nonepattern",
                                                                           "construction")} == {"fused"}
     # the document as recorded before renders as it did (the README holds it)
-    assert readme_tables.bench_section(old, cuda) == readme_tables.sections()["BENCH-TABLE"]
+    assert readme_tables.bench_section(old, cuda) == readme_tables.sections(skip_measured=True)["BENCH-TABLE"]

@@ -1,16 +1,21 @@
-"""Write the README's audit and benchmark tables from the results committed under ``bench/results/``.
+"""Write the generated tables of README.md and of the documentation site (``docs/``) from committed results.
 
 Usage::
 
-    python tools/readme_tables.py                 # rewrite the tables in README.md
-    python tools/readme_tables.py --check         # exit 1, with a diff, if README.md differs
+    python tools/readme_tables.py                 # rewrite every generated table, in README.md and docs/
+    python tools/readme_tables.py --check         # exit 1, with a diff, where a file differs
     python tools/readme_tables.py --record-audit  # re-run the audits, write bench/results/audit-<UTC date>.json
 
-Everything between ``<!-- AUDIT-TABLE -->`` and ``<!-- /AUDIT-TABLE -->`` (and
-the ``BENCH-TABLE`` and ``LOWBIT-TABLE`` pairs) is this script's output, written from the documents
-named in :data:`SOURCES`: one ``dml-optim audit --json`` output per row of
-:data:`AUDIT_ROWS`, and ``dml-optim bench --out bench/results/NAME.json`` runs.
-``tests/test_readme_tables.py`` checks that README.md holds what it writes.
+A generated table sits between ``<!-- NAME -->`` and ``<!-- /NAME -->`` in README.md or a page under
+``docs/``; :data:`TABLES` maps each NAME to the function that writes it, and every file holding the
+pair gets that text, so a table the README and the site share is written once.  Adding a table is a
+function, an entry in :data:`TABLES` and its marker pair where it goes.  The sources: the documents named
+in :data:`SOURCES` (one ``dml-optim audit --json`` output per row of :data:`AUDIT_ROWS`, and
+``dml-optim bench --out bench/results/NAME.json`` runs), the committed ``dml-optim compare`` report
+(``docs/compare-report.md``), and, for the tables in :data:`MEASURED`, a measurement made here
+(``dml_optim.precision.memory``, seconds).  ``tests/test_readme_tables.py`` checks that the files hold
+what this script writes (``--skip-measured``: the measured tables only for being the same in every file;
+``tests/test_memory_table.py`` measures them).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import datetime as _dt
 import difflib
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -241,7 +247,7 @@ def _host_note(doc: dict) -> list[str]:
     if not any("ratio_refs" in r for r in doc.get("host_work", [])):  # (a document before checks="refs")
         return ["Host work per parameter (eager, one thread: the same elements as 2,000 tensors or as one, so the",
                 "difference is what the host does per parameter; `checks=\"fast\"` compares only the first and last",
-                "parameter of each buffer, see [Options](#options)), the memory peak while an optimizer is built",
+                "parameter of each buffer, see [Options](guide/options.md)), the memory peak while an optimizer is built",
                 "(resident set: approximate), and 12 compiled instances alive at once:"]
     default = doc["host_work"][0]["checks"]
     modes = {"full": "two storage use counts per buffer and every parameter's gradient and data pointer",
@@ -251,7 +257,7 @@ def _host_note(doc: dict) -> list[str]:
         f"`\"{m}\"` ({modes[m]})" for m in report.host_modes(default)[1:]]
     return [_fill("Host work per parameter (one thread: the same elements as 2,000 tensors or as one, so the difference "
                   "is what the host does per parameter), with the default backend (what `auto` ran) and each `checks` "
-                  f"mode: {', '.join(described[:-1])} and {described[-1]}, see [Options](#options); beside them the "
+                  f"mode: {', '.join(described[:-1])} and {described[-1]}, see [Options](guide/options.md); beside them the "
                   "eager op chain that DirectML runs, with the default checks. Then the memory peak while an optimizer "
                   "is built (resident set: approximate), and 12 compiled instances alive at once:")]
 
@@ -356,7 +362,70 @@ def bench_section(cpu: dict, cuda: dict) -> str:
     return "\n".join(lines)
 
 
-# -- README ------------------------------------------------------------------------------------------------
+# -- the headline tables (README and site) ------------------------------------------------------------------
+
+#: (workload, optimizer) per row of the headline speed table.
+_HEADLINE_SPEED = tuple((w, o) for w in ("resnet50", "bert-base-uncased", "gpt2", "many-small") for o in ("adam", "adamw"))
+#: The configurations of the headline precision table, in its order.
+_HEADLINE_PRECISION = ("fp32", "fp16", "fp16-master", "fp16-kahan", "bf16", "bf16-kahan", "fp32-8bit", "fp32-4bit")
+COMPARE_REPORT = "docs/compare-report.md"
+
+
+def _speed_cells(doc: dict, work: str, optimizer: str) -> list[str]:
+    """``dml_optim ms / torch fused ms`` and the ratio of the two, for what ``backend="auto"`` runs."""
+    ref = reference(doc, optimizer, work)
+    mine = _row(doc, optimizer, work, f"dml_optim {ref['auto_backend']}") if ref else None
+    if mine is None:
+        return ["n/a", "n/a"]
+    fused = _row(doc, optimizer, work, "torch fused")
+    ratio, _ = versus(doc, mine, "torch fused")
+    return [f"{_ms(mine)} / {_ms(fused)}", "n/a" if ratio is None else f"{ratio:.2f}x"]
+
+
+def speed_headline(cpu: dict, cuda: dict) -> str:
+    """The short speed table: a few real models' Adam and AdamW steps beside torch's fused kernel, CPU and GPU."""
+    gpu = cuda["machine"].get("gpu", "GPU").removeprefix("NVIDIA ").split(" ")[0]
+    lines = [f"| workload | optimizer | CPU ms: dml_optim / torch fused | CPU speed-up | {gpu} ms: dml_optim / torch fused | "
+             f"{gpu} speed-up |", "|---|---|---:|---:|---:|---:|"]
+    for work, optimizer in _HEADLINE_SPEED:
+        lines.append("| " + " | ".join([work, optimizer, *_speed_cells(cpu, work, optimizer),
+                                        *_speed_cells(cuda, work, optimizer)]) + " |")
+    m, g = cpu["machine"], cuda["machine"]
+    note = (f"(One optimizer step, `backend=\"auto\"`, float32; the speed-up is torch fused's time over ours, the median "
+            f"of round-by-round ratios. CPU: a {m['cpu_count']}-vCPU {m.get('cpu_model', m['processor'])} VM, torch "
+            f"{m['torch']}, {cpu['created'][:10]} (`{SOURCES['cpu']}`); {gpu}: torch {g['torch']}, "
+            f"{cuda['created'][:10]} (`{SOURCES['cuda']}`).)")
+    return "\n".join(lines + ["", _fill(note)])
+
+
+def _compare_rows(text: str) -> dict[str, dict[str, str]]:
+    """The ``recorded`` stream's rows of a ``dml-optim compare`` report: config -> column -> cell."""
+    header, rows = None, {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:2] == ["config", "stream"]:
+            header = cells
+        elif header and len(cells) == len(header) and cells[1] == "recorded":
+            rows[cells[0]] = dict(zip(header, cells))
+    return rows
+
+
+def precision_headline(text: str, source: str) -> str:
+    """The short precision table: each configuration's drift from float64 and final loss, from a compare report."""
+    rows = _compare_rows(text)
+    first = text.splitlines()[0].removeprefix("# ")  # "dml-optim compare: adam on mlp"
+    lines = ["| configuration | relative error after 200 steps (float64 = 0) | updates lost to rounding | final loss |",
+             "|---|---:|---:|---:|"]
+    for config in _HEADLINE_PRECISION:
+        r = rows[config]
+        lines.append(f"| `{config}` | {r['final ‖Δ‖/‖x‖']} | {r['lost updates']} | {r['final loss']} |")
+    note = (f"({first}, 200 steps: the gradients of an FP32 training run of the built-in MLP fed to each configuration "
+            f"and to a float64 reference. The whole report, with the synthetic stream, every configuration and the "
+            f"command that reproduces it: `{source}`.)")
+    return "\n".join(lines + ["", _fill(note)])
+
+
+# -- the files --------------------------------------------------------------------------------------------
 
 
 def _load(key: str) -> dict:
@@ -376,11 +445,58 @@ def lowbit_section(doc: dict) -> str:
     ])
 
 
-def sections() -> dict[str, str]:
-    """Marker name -> the text this script puts between that marker pair."""
-    return {"AUDIT-TABLE": audit_table(_load("audit"), SOURCES["audit"]),
-            "BENCH-TABLE": bench_section(_load("cpu"), _load("cuda")),
-            "LOWBIT-TABLE": lowbit_section(_load("lowbit"))}
+def _memory_table() -> str:
+    from dml_optim.precision import CONFIGS
+    from dml_optim.precision.memory import OPTIMIZERS, measure, memory_table
+
+    return memory_table([measure(name, config) for name in OPTIMIZERS for config in CONFIGS.values()])
+
+
+def _training_bytes() -> str:
+    from dml_optim.precision import CONFIGS
+    from dml_optim.precision.memory import TRAINING_CONFIGS, measure, training_bytes_table
+
+    return training_bytes_table([measure("adamw", CONFIGS[c]) for c in TRAINING_CONFIGS])
+
+
+#: Marker name -> the function that writes the text between that marker pair.
+TABLES = {
+    "AUDIT-TABLE": lambda: audit_table(_load("audit"), SOURCES["audit"]),
+    "SPEED-TABLE": lambda: speed_headline(_load("cpu"), _load("cuda")),
+    "BENCH-TABLE": lambda: bench_section(_load("cpu"), _load("cuda")),
+    "LOWBIT-TABLE": lambda: lowbit_section(_load("lowbit")),
+    "PRECISION-TABLE": lambda: precision_headline((ROOT / COMPARE_REPORT).read_text(encoding="utf-8"), COMPARE_REPORT),
+    "MEMORY-TABLE": _memory_table,
+    "TRAINING-BYTES": _training_bytes,
+}
+#: The tables measured when written (seconds each), not read from a committed document.
+MEASURED = frozenset({"MEMORY-TABLE", "TRAINING-BYTES"})
+
+
+def files() -> list[Path]:
+    """Where generated tables may live: README.md and every page of the site."""
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _names_in(text: str) -> list[str]:
+    return [name for name in TABLES if f"<!-- {name} -->" in text]
+
+
+def sections(skip_measured: bool = False) -> dict[str, str]:
+    """Marker name -> the text this script puts between that marker pair.  ``skip_measured``: a table of
+    :data:`MEASURED` is the text its first file holds now (so the others are checked against that copy)."""
+    texts = {path: path.read_text(encoding="utf-8") for path in files()}
+    placed = {name for text in texts.values() for name in _names_in(text)}
+    if placed != set(TABLES):
+        raise ValueError(f"tables no file holds: {sorted(set(TABLES) - placed)}")
+    out = {}
+    for name, make in TABLES.items():
+        if skip_measured and name in MEASURED:
+            text = next(t for t in texts.values() if f"<!-- {name} -->" in t)
+            out[name] = re.search(rf"<!-- {name} -->\n(.*?)\n<!-- /{name} -->", text, flags=re.S).group(1)
+        else:
+            out[name] = make()
+    return out
 
 
 def render(text: str, contents: dict[str, str]) -> str:
@@ -389,33 +505,44 @@ def render(text: str, contents: dict[str, str]) -> str:
         start, end = f"<!-- {name} -->\n", f"<!-- /{name} -->"
         i, j = text.find(start), text.find(end)
         if i < 0 or j < i:
-            raise ValueError(f"README: the markers '<!-- {name} -->' and '<!-- /{name} -->' are missing or out of order")
+            raise ValueError(f"the markers '<!-- {name} -->' and '<!-- /{name} -->' are missing or out of order")
         text = text[: i + len(start)] + body + "\n" + text[j:]
     return text
+
+
+def render_file(text: str, contents: dict[str, str]) -> str:
+    """``text`` with every table whose marker pair it holds rewritten."""
+    return render(text, {name: contents[name] for name in _names_in(text)})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     action = parser.add_mutually_exclusive_group()
-    action.add_argument("--check", action="store_true", help="exit 1 with a diff if README.md differs from the output")
+    action.add_argument("--check", action="store_true", help="exit 1 with a diff where a file differs from the output")
     action.add_argument("--record-audit", action="store_true",
                         help="run `dml-optim audit --json` for every row; write bench/results/audit-<UTC date>.json")
+    parser.add_argument("--skip-measured", action="store_true",
+                        help="do not measure the memory tables: check that each file's copy equals the first one's")
     args = parser.parse_args(argv)
     if args.record_audit:
         record_audit(ROOT / "bench" / "results" / f"audit-{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}.json")
         return 0
-    current = README.read_text(encoding="utf-8")
-    wanted = render(current, sections())
-    if args.check:
-        if current != wanted:
+    contents = sections(skip_measured=args.skip_measured)
+    status = 0
+    for path in files():
+        current = path.read_text(encoding="utf-8")
+        wanted = render_file(current, contents)
+        if current == wanted:
+            continue
+        name = str(path.relative_to(ROOT))
+        if args.check:
             sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), wanted.splitlines(True),
-                                                       "README.md", "README.md (tools/readme_tables.py)"))
-            return 1
-        return 0
-    if current != wanted:
-        README.write_text(wanted, encoding="utf-8")
-        print("README.md: tables rewritten")
-    return 0
+                                                       name, f"{name} (tools/readme_tables.py)"))
+            status = 1
+        else:
+            path.write_text(wanted, encoding="utf-8")
+            print(f"{name}: tables rewritten")
+    return status
 
 
 if __name__ == "__main__":
