@@ -39,8 +39,19 @@ KNOWN_MISSING: dict[str, str] = {
 }
 
 
+_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`~?([\w.]+)`")
+_DIRECTIVE = re.compile(r"^(\s*)\.\. (warning|note)::", flags=re.M)
+
+
 class DocComments(griffe.Extension):
-    """Give an attribute without a docstring the ``#:`` comment lines right above its assignment."""
+    """Give an attribute without a docstring the ``#:`` comment lines right above its assignment, and write the
+    docstrings' reST roles and directives (``:class:`~dml_optim.AdamW```, ``.. warning::``) as Markdown."""
+
+    def on_instance(self, *, node: ast.AST | griffe.ObjectNode, obj: griffe.Object,
+                    agent: griffe.Visitor | griffe.Inspector, **kwargs: Any) -> None:
+        if obj.docstring is not None:
+            text = _ROLE.sub(lambda m: f"`{m.group(1)}`", obj.docstring.value)
+            obj.docstring.value = _DIRECTIVE.sub(lambda m: f"{m.group(1)}**{m.group(2).capitalize()}:**", text)
 
     def on_attribute_instance(self, *, node: ast.AST | griffe.ObjectNode, attr: griffe.Attribute,
                               agent: griffe.Visitor | griffe.Inspector, **kwargs: Any) -> None:
