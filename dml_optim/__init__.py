@@ -8,6 +8,7 @@ per (device, dtype) and updates it in place with a handful of DirectML-native
 ops per step.
 """
 
+#: The package version (PEP 440), as in pyproject.toml.
 __version__ = "0.1.0"
 
 from dml_optim.core import functional
