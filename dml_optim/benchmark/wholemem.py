@@ -44,6 +44,10 @@ dml_optim.benchmark.wholemem``): ``schema`` (``"dml-optim-wholemem-1"``),
 ``created``, ``machine``, ``versions``, ``method``, ``model`` and ``rows``, one per
 (configuration, ``zero_grad`` style); see :func:`row_fields` for a row's fields.
 A bench run registers it as the row set ``wholemem`` through :func:`bench_tasks`.
+
+Long by design: the configurations, the models, the child that measures and the parent that starts it are
+one module, because the child is ``python -m`` of this very module and must run exactly the code the
+parent describes.
 """
 
 from __future__ import annotations
