@@ -13,36 +13,47 @@ quantized flat buffer starts every parameter at a block boundary (zero padding
 between parameters), so a parameter's state is its own blocks, and a state
 whose values did not change encodes to the very same bits.
 
-**Codes** (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
-Quantization"; Li et al. 2023, "Memory Efficient Optimizers with 4-bit
-States"), each value ``v`` normalized by its block's maximum, ``y = v / absmax``:
+**Codes** of the codebook :data:`CODEBOOK` (what new states use, :data:`ACTIVE_CODEBOOK`; a
+value ``v`` normalized by its block's maximum, ``y = v / absmax``, ``K`` the
+largest magnitude index: 127 or 7 signed, 255 or 15 unsigned):
 
-* ``"de"``, *dynamic exponent* (Dettmers' dynamic tree quantization): a
-  magnitude index ``k`` in ``[0, 2**D - 1]`` picks decade ``i = floor(log2 k)``
-  and fraction ``j = k - 2**i + 1`` in ``[1, 2**i]``; its level is
-  ``10**(i - D + 1) * (0.1 + 0.9 * j / 2**i)``.  The top level of each decade
-  is the bottom of the next, so the levels are one monotone grid from
-  ``10**(1 - D)`` to exactly 1, denser near 0.  Signed formats (first moment,
-  momentum buffer) keep a sign and an exact 0; unsigned ones (second moment,
-  Adagrad's sum) exclude 0: index 0 is ``10**-D``, so a second moment never
-  decodes to 0 while its first moment does not, which would make the update
-  ``m / (sqrt(0) + eps)`` explode (the "zero-point problem" of Li et al.).
-  ``D`` = 7 for 8-bit signed, 8 for 8-bit unsigned, 3 for 4-bit signed.
-* ``"linear"``, 4-bit unsigned: ``(k + 1) / 16`` for ``k`` in ``[0, 15]``, zero
-  excluded (Li et al.'s choice for the second moment at 4 bits, as torchao's).
+* ``"asinh"``, signed states (first moment, momentum buffer): the index
+  ``k = round(K * asinh(S * y) / asinh(S))`` (``asinh`` is odd: no sign
+  to split off), stored as ``2**(bits-1) + k``; level ``sinh(asinh(S) * k / K) / S``.
+  Linear near 0 (exact 0) and logarithmic from ``1/S`` up (a constant
+  relative step ``asinh(S) / K``): mu-law companding.  ``S`` = 1e4 at 8 bits,
+  5 at 4 bits.
+* ``"pow"``, unsigned states (second moment, Adagrad's sum): the index
+  ``k = round(K * y**p)``, level ``(k / K)**(1/p)`` (``p`` = 1/4 at 8 bits,
+  1/2 at 4 bits); index 0 is ``(0.5 / K)**(1/p)``, the top of the values that
+  round to it, not 0: a second moment never decodes to 0 while its first moment
+  does not (the "zero-point problem" of Li et al. 2023, "Memory Efficient
+  Optimizers with 4-bit States").
 
-Encoding is closed-form (the nearest level: within a decade the levels are
-evenly spaced, and a decade's top is the next one's bottom; the lowest decade of
-a signed format rounds between 0 and its top), and uses only element-wise
-ops, one per-block ``amax`` and gathers from 8-entry tables, all native on
-DirectML (no ``searchsorted``/``bucketize``, which fall back to the CPU
-there).  A decode is one gather from the format's 256- or 16-entry table and
-one multiply by the block scale.
+Both are one closed-form expression per element, no decade search: the eager
+encoder is 6 (unsigned) or 7 (signed) ops per block range, each in place or
+into an ``out=`` tensor the caller keeps, all native on DirectML; the compiled
+one a few vectorized instructions (``sqrt``, ``asinh``).  A decode is one
+gather from the format's 256- or 16-entry table (4 bits: a 256 x 2 table of
+byte -> two values, no unpacking ops) and one multiply by the block scale.
+
+The first codebook, ``"dml-optim-blockwise-1"`` (:data:`LEGACY_CODEBOOK`), is
+kept for reading checkpoints: ``"de"`` (Dettmers et al. 2022's dynamic
+exponent: a magnitude index ``k`` in ``[0, 2**D - 1]`` picks decade
+``i = floor(log2 k)`` and fraction ``j = k - 2**i + 1``, level
+``10**(i - D + 1) * (0.1 + 0.9 * j / 2**i)``; signed ones keep an exact 0,
+unsigned ones have ``10**-D`` at index 0) and ``"linear"`` (4-bit unsigned,
+``(k + 1) / 16``).  Its encoder (a ``log10`` per element and gathers from
+8-entry tables) stays for tests and conversions.
 
 Bounds (tests/test_quant.py): the block maximum, 0 (signed formats) and a
-block of equal values are exact; a zero block stays zero; otherwise a decoded
-value is within half a step of its decade of the original
-(``0.45 * 10**(i - D + 1) / 2**i * absmax``; linear: ``absmax / 32``).
+block of equal values are exact; a zero block stays zero; otherwise a value is
+rounded to the nearest level *in the companded domain* (``asinh(S y)`` or
+``y**p``): within half a companded step (:meth:`StateFormat.bound`).
+Blocks whose maximum is below ``2**-126 * c`` (``c`` the format's
+:attr:`StateFormat.divisor`: about 3e4 signed, 4e9 for the 8-bit second
+moment, i.e. a block maximum under 5e-29) are encoded against a larger
+divisor: their values decode smaller, never larger than the maximum.
 """
 
 from __future__ import annotations
@@ -56,30 +67,42 @@ import torch
 __all__ = [
     "BLOCK",
     "MIN_ELEMENTS",
+    "CODEBOOK",
+    "LEGACY_CODEBOOK",
+    "ACTIVE_CODEBOOK",
+    "CODEBOOKS",
     "StateFormat",
     "format_for",
     "QuantizedState",
     "format_named",
     "warm_tables",
     "encode_",
+    "encode_into",
     "decode",
+    "decode_into",
     "block_mask",
     "tensors_of",
+    "index_elements",
+    "chunk_elements",
 ]
 
 #: Elements per block (one float32 scale each).
 BLOCK = {8: 256, 4: 128}
 #: Parameters with fewer elements keep full-precision state (bitsandbytes' ``min_8bit_size``).
 MIN_ELEMENTS = 4096
+#: The smallest normal float32: what a block divisor is at least (a zero block divides 0 by it: codes of 0).
+_TINY = 2.0**-126
 
 
 @dataclass(frozen=True)
 class StateFormat:
-    """How one state is stored: ``bits`` per code, ``signed``, ``kind`` (``"de"`` or ``"linear"``)."""
+    """How one state is stored: ``bits`` per code, ``signed``, ``kind`` (``"asinh"``, ``"pow"``; the first
+    codebook's ``"de"``, ``"linear"``) and its ``param`` (``asinh``: ``S``; ``pow``: the exponent ``p``)."""
 
     bits: int
     signed: bool
     kind: str
+    param: float = 0.0
 
     @property
     def block(self) -> int:
@@ -87,28 +110,69 @@ class StateFormat:
 
     @property
     def name(self) -> str:
-        """A stable name, saved in checkpoints (e.g. ``"de8-signed"``)."""
+        """A stable name (e.g. ``"asinh8-signed"``), also the compiled kernel's key."""
         return f"{self.kind}{self.bits}-{'signed' if self.signed else 'unsigned'}"
 
     @property
-    def decades(self) -> int:
-        return self.bits - 1 if self.signed else self.bits
+    def legacy(self) -> bool:
+        """A format of the first codebook (read from checkpoints, converted on load)."""
+        return self.kind in ("de", "linear")
 
     @property
     def magnitudes(self) -> int:
-        """The largest magnitude index ``K`` (codes ``0..K``, signed: ``-K..K``)."""
-        return 2 ** self.decades - 1 if self.kind == "de" else 2**self.bits - 1
+        """The largest magnitude index ``K`` (codes ``0..K``, signed: ``base - K .. base + K``)."""
+        if self.kind == "de":
+            return 2 ** self.de_decades - 1
+        return 2 ** (self.bits - 1) - 1 if self.signed else 2**self.bits - 1
+
+    @property
+    def base(self) -> int:
+        """The code of index 0: ``2**(bits-1)`` signed, 0 unsigned."""
+        return 2 ** (self.bits - 1) if self.signed else 0
 
     @property
     def zero_code(self) -> int:
         """The code of 0 (signed) or of the smallest level (unsigned): what an empty state holds."""
-        return 2 ** (self.bits - 1) if self.signed else 0
+        return self.base
+
+    @property
+    def de_decades(self) -> int:
+        """``D`` of a dynamic-exponent format of the first codebook."""
+        return self.bits - 1 if self.signed else self.bits
+
+    @property
+    def decades(self) -> int:
+        """How many decades below the block maximum the smallest nonzero level lies (rounded)."""
+        if self.kind == "de":
+            return self.de_decades
+        smallest = self.level(1) if self.signed else self.level(0)
+        return int(round(-math.log10(smallest)))
+
+    @property
+    def divisor(self) -> float:
+        """What the block maximum is divided by before the companding function: ``y * divisor`` is its argument
+        (``asinh``: ``S``; ``pow``: ``K**(1/p)``, so that ``(y * divisor)**p = K * y**p``)."""
+        if self.kind == "asinh":
+            return self.param
+        if self.kind == "pow":
+            return float(self.magnitudes) ** (1.0 / self.param)
+        raise ValueError(f"{self.name} has no closed-form encoder")
+
+    @property
+    def gain(self) -> float:
+        """What the companded value is multiplied by to give the index (``asinh``: ``K / asinh(S)``; ``pow``: 1)."""
+        return self.magnitudes / math.asinh(self.param) if self.kind == "asinh" else 1.0
 
     def level(self, k: int) -> float:
         """The magnitude of index ``k`` (float64)."""
+        K = self.magnitudes
+        if self.kind == "asinh":
+            return 1.0 if k == K else math.sinh(math.asinh(self.param) * k / K) / self.param
+        if self.kind == "pow":
+            return (max(k, 0.5) / K) ** (1.0 / self.param) if k < K else 1.0
         if self.kind == "linear":
             return (k + 1) / 2**self.bits
-        d = self.decades
+        d = self.de_decades
         if k == 0:
             return 0.0 if self.signed else 10.0**-d
         i = int(math.floor(math.log2(k)))
@@ -132,27 +196,72 @@ class StateFormat:
         table[0] = table[1]
         return table
 
+    def bound(self, y: float) -> float:
+        """The largest error of a decoded value whose block-normalized original is ``y`` (``|y| <= 1``):
+        half a step of the companded domain around ``|y|`` (and, below the smallest level of an unsigned
+        format, the distance up to it)."""
+        a = abs(y)
+        K = self.magnitudes
+        if self.kind == "asinh":
+            A, S = math.asinh(self.param), self.param
+            u = math.asinh(S * a) * K / A
+            lo, hi = max(u - 0.5, 0.0), min(u + 0.5, K)
+            return max(a - math.sinh(A * lo / K) / S, math.sinh(A * hi / K) / S - a)
+        if self.kind == "pow":
+            p = self.param
+            u = K * a**p
+            if u < 0.5:
+                return self.level(0) - a
+            lo, hi = u - 0.5, min(u + 0.5, K)
+            return max(a - (lo / K) ** (1 / p), (hi / K) ** (1 / p) - a)
+        raise ValueError(f"{self.name}: see tests/test_quant.py for the first codebook's bounds")
 
-#: (bits, signed) -> format: the first moment and the momentum buffer are signed, the second moment
-#: and Adagrad's sum unsigned (their formats exclude 0)
-_FORMATS = {
-    (8, True): StateFormat(8, True, "de"),
-    (8, False): StateFormat(8, False, "de"),
-    (4, True): StateFormat(4, True, "de"),
-    (4, False): StateFormat(4, False, "linear"),
+
+#: The codebook :func:`format_for` gives (its name is saved in checkpoints, ``state_dict()["dml_optim"]``).
+CODEBOOK = "dml-optim-blockwise-2"
+#: The first codebook (dynamic exponent and linear codes): checkpoints saved with it still load.
+LEGACY_CODEBOOK = "dml-optim-blockwise-1"
+
+#: codebook -> (bits, signed) -> format.  The first moment and the momentum buffer are signed, the second
+#: moment and Adagrad's sum unsigned (their formats have no 0 level).
+CODEBOOKS: dict[str, dict[tuple[int, bool], StateFormat]] = {
+    CODEBOOK: {
+        (8, True): StateFormat(8, True, "asinh", 1e4),
+        (8, False): StateFormat(8, False, "pow", 0.25),
+        (4, True): StateFormat(4, True, "asinh", 5.0),
+        (4, False): StateFormat(4, False, "pow", 0.5),
+    },
+    LEGACY_CODEBOOK: {
+        (8, True): StateFormat(8, True, "de"),
+        (8, False): StateFormat(8, False, "de"),
+        (4, True): StateFormat(4, True, "de"),
+        (4, False): StateFormat(4, False, "linear"),
+    },
 }
 
 
-def format_for(bits: int, signed: bool) -> StateFormat:
-    """The format of a ``bits``-bit state (``signed`` for the first moment, unsigned for the second)."""
-    return _FORMATS[(bits, signed)]
+#: The codebook new states are created in (:func:`format_for`'s default).  It is the first codebook until
+#: ``optimizers/state_dict.py`` saves the codebook's name and reads a checkpoint with the formats of the
+#: codebook it names (``format_for(bits, signed, quantization)``); then it is :data:`CODEBOOK`.
+ACTIVE_CODEBOOK = LEGACY_CODEBOOK
 
 
-_BY_NAME = {f.name: f for f in _FORMATS.values()}
+def format_for(bits: int, signed: bool, codebook: str | None = None) -> StateFormat:
+    """The format of a ``bits``-bit state (``signed`` for the first moment, unsigned for the second) in
+    ``codebook`` (default :data:`ACTIVE_CODEBOOK`; a checkpoint names its own)."""
+    codebook = ACTIVE_CODEBOOK if codebook is None else codebook
+    try:
+        return CODEBOOKS[codebook][(bits, signed)]
+    except KeyError:
+        raise ValueError(f"unknown quantized state codebook {codebook!r} (known: {', '.join(CODEBOOKS)})"
+                         if codebook not in CODEBOOKS else f"no {bits}-bit format in {codebook!r}") from None
+
+
+_BY_NAME = {f.name: f for book in CODEBOOKS.values() for f in book.values()}
 
 
 def format_named(name: str) -> StateFormat:
-    """The format whose :attr:`StateFormat.name` is ``name`` (as a checkpoint records it)."""
+    """The format whose :attr:`StateFormat.name` is ``name`` (as a compiled kernel's key records it)."""
     try:
         return _BY_NAME[name]
     except KeyError:
@@ -164,12 +273,26 @@ def format_named(name: str) -> StateFormat:
 _TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def _table(key: str, values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _table(key: str, values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     k = (key, dtype, str(device))
     t = _TABLES.get(k)
     if t is None:
-        t = _TABLES[k] = torch.tensor(list(values), dtype=torch.float64).to(dtype=dtype, device=device)
+        t = _TABLES[k] = torch.tensor(values, dtype=torch.float64).to(dtype=dtype, device=device)
     return t
+
+
+def _levels(fmt: StateFormat, dtype: torch.dtype, device) -> torch.Tensor:
+    """The decode table: one value per code (8 bits), or per byte the pair of values of its two nibbles
+    (4 bits: ``(256, 2)``, low nibble first), so a decode of packed codes is one gather."""
+    if fmt.bits == 4:
+        t = fmt.levels()
+        return _table(f"{fmt.name}/pairs", [[t[c % 16], t[c // 16]] for c in range(256)], dtype, device)
+    return _table(f"{fmt.name}/levels", fmt.levels(), dtype, device)
+
+
+def _constant(value: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """A 0-d tensor on ``device`` (an operand of an ``out=`` op that has no Scalar overload)."""
+    return _table(f"const/{value!r}", value, dtype, device)
 
 
 def warm_tables(fmt: StateFormat, dtype: torch.dtype, device: torch.device) -> None:
@@ -177,19 +300,9 @@ def warm_tables(fmt: StateFormat, dtype: torch.dtype, device: torch.device) -> N
     if fmt.kind == "de":
         _decade_tables(fmt, dtype, device)
     _table(f"{fmt.name}/levels", fmt.levels(), dtype, device)
-
-
-def _decade_tables(fmt: StateFormat, dtype: torch.dtype, device: torch.device):
-    """Per decade ``i``: ``10**(D-1-i)`` (the inverse of its top), its bottom as a fraction of its top
-    (0.1; 0 for the lowest decade of a format with a zero level: its levels are 0 and its top), fractions
-    per unit above the bottom (``2**i / (1 - bottom)``), and ``2**i``."""
-    d = fmt.decades
-    bottom = [0.0 if i == 0 and fmt.signed else 0.1 for i in range(d)]
-    inv_top = _table(f"{fmt.name}/inv_top", [10.0 ** (d - 1 - i) for i in range(d)], dtype, device)
-    offset = _table(f"{fmt.name}/bottom", bottom, dtype, device)
-    steps = _table(f"{fmt.name}/steps", [2.0**i / (1 - bottom[i]) for i in range(d)], dtype, device)
-    pow2 = _table(f"{fmt.name}/pow2", [2.0**i for i in range(d)], dtype, device)
-    return inv_top, offset, steps, pow2
+    _levels(fmt, dtype, device)
+    for value in (_TINY, float(fmt.base), 0.0):
+        _constant(value, dtype, device)
 
 
 def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -198,12 +311,45 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     flattened index makes inductor index the output modulo the row count).  Both are native on DirectML."""
     if _compiling():
         return table[index]
-    return table.index_select(0, index.reshape(-1)).view(index.shape)
+    return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
 
 
 def _compiling() -> bool:
     check = getattr(torch.compiler, "is_compiling", None)
     return bool(check and check())
+
+
+# -- sizes: scratch and chunks -------------------------------------------------------------------
+
+
+def index_elements(fmt: StateFormat, n: int) -> int:
+    """The int32 elements :func:`decode_into` needs as its ``index`` scratch for ``n`` values (one per code
+    byte: ``n`` at 8 bits, ``n / 2`` at 4)."""
+    return n // 2 if fmt.bits == 4 else n
+
+
+def chunk_elements(numel: int, bytes_per_element: int, *, ops_per_chunk: int, max_scratch: int | None = None,
+                   min_scratch: int = 32 << 20, scratch_per_param: float = 0.5, max_ops: int | None = None,
+                   align: int = 256) -> int:
+    """How many elements one chunk of an eager step over a buffer of ``numel`` elements takes.
+
+    The step keeps ``bytes_per_element`` bytes of scratch per chunk element (decoded states, the rule's
+    scratch, the decode index).  The scratch may be ``max(min_scratch, scratch_per_param * numel)`` bytes
+    (32 MiB or 0.5 bytes per parameter, whichever is larger; ``max_scratch`` overrides), which gives the
+    largest chunk; the chunks are then made equal (a buffer of 2.5 chunks runs as 3 of 5/6 each, not 2 and a
+    half, with no larger scratch), rounded up to ``align`` (whole blocks).  ``ops_per_chunk`` and ``max_ops``
+    (optional): raise ValueError if the step would dispatch more than ``max_ops`` ops.
+    """
+    if numel <= 0:
+        return 0
+    budget = max_scratch if max_scratch is not None else max(min_scratch, int(scratch_per_param * numel))
+    largest = max(align, budget // max(1, bytes_per_element) // align * align)
+    chunks = -(-numel // largest)
+    size = -(-numel // chunks)
+    size = -(-size // align) * align
+    if max_ops is not None and chunks * ops_per_chunk > max_ops:
+        raise ValueError(f"{numel} elements in chunks of {size} take {chunks * ops_per_chunk} ops, over {max_ops}")
+    return min(size, -(-numel // align) * align)
 
 
 # -- encode / decode -----------------------------------------------------------------------------
@@ -214,24 +360,69 @@ def block_mask(valid: torch.Tensor, block: int) -> torch.Tensor:
     return torch.arange(block, device=valid.device, dtype=valid.dtype).view(1, block) < valid.view(-1, 1)
 
 
-def _magnitude_index(a: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
-    """The nearest magnitude index (within a decade) of ``a = |y|`` in ``[0, 1]``, as floats."""
-    if fmt.kind == "linear":
-        n = 2**fmt.bits
-        k = torch.round(a * n) - 1
+def encode_into(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, *,
+                small: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> None:
+    """Encode ``values`` (whole blocks, float) into ``codes`` and ``scales``, **using ``values`` as the work
+    buffer** (it is overwritten): the eager encoder, every op in place or into ``codes``, ``scales`` or
+    ``small`` (a float tensor of one element per block, the caller's scratch; allocated if None), so with
+    ``small`` given it allocates nothing.
+
+    Ops (8 bits; 4 bits one more, the nibbles' packing): signed (``asinh``) ``linalg_vector_norm`` (inf, per
+    block), ``add`` (the divisor), ``div_``, ``asinh_``, ``add`` (gain and offset), ``round_``, ``copy_``: 7;
+    unsigned (``pow``) ``amax``, ``add``, ``div_``, ``pow_``, ``round_``, ``copy_``: 6; a ``mask`` (padding:
+    encoded as 0, not counted in the maximum) one ``where`` more.
+    """
+    if fmt.legacy:
+        encode_(values, codes, scales, fmt, mask)
+        return
+    b = fmt.block
+    v = values.view(-1, b)
+    dtype, device = v.dtype, v.device
+    col = scales.view(-1, 1)
+    if mask is not None:
+        torch.where(mask, v, _constant(0.0, dtype, device), out=v)
+    if fmt.signed:
+        torch.linalg.vector_norm(v, float("inf"), dim=1, keepdim=True, out=col)
     else:
-        d = fmt.decades
-        i = torch.floor(torch.log10(a)) + d
-        i = torch.minimum(torch.where(i >= 0, i, torch.zeros((), dtype=a.dtype, device=a.device)),
-                          torch.full((), d - 1, dtype=a.dtype, device=a.device))  # (log10(0) = -inf, NaN -> 0)
-        index = i.to(torch.int32)
-        inv_top, bottom, steps, pow2 = _decade_tables(fmt, a.dtype, a.device)
-        top = _gather(pow2, index)
-        j = torch.round((a * _gather(inv_top, index) - _gather(bottom, index)) * _gather(steps, index))
-        j = torch.minimum(torch.where(j >= 0, j, torch.zeros((), dtype=a.dtype, device=a.device)), top)
-        k = top - 1 + j  # j = 0 is the top of the decade below (the same level)
-    k = torch.minimum(k, torch.full((), fmt.magnitudes, dtype=a.dtype, device=a.device))
-    return torch.where(k >= 0, k, torch.zeros((), dtype=a.dtype, device=a.device))  # (and NaN -> 0)
+        torch.amax(v, dim=1, keepdim=True, out=col)
+    if small is None:
+        small = torch.empty(scales.shape, dtype=dtype, device=device)
+    s = small.view(-1, 1)
+    torch.add(_constant(_TINY, dtype, device), col, alpha=1.0 / fmt.divisor, out=s)  # (a zero block: 0 / tiny)
+    v.div_(s)
+    if fmt.kind == "asinh":
+        v.asinh_()
+        torch.add(_constant(float(fmt.base), dtype, device), v, alpha=fmt.gain, out=v)
+    else:
+        v.pow_(fmt.param)
+    v.round_()
+    if fmt.bits == 4:
+        pairs = v.view(-1, 2)
+        low = pairs[:, 0]
+        torch.add(low, pairs[:, 1], alpha=16, out=low)
+        codes.view(-1, b // 2).copy_(low.view(-1, b // 2))
+    else:
+        codes.view(-1, b).copy_(v)
+
+
+def _encode_functional(v: torch.Tensor, fmt: StateFormat, mask: torch.Tensor | None):
+    """``(codes as float indices, absmax)`` of ``v`` (``(blocks, block)``), out of place: the compiled
+    kernel's encoder (one fused loop; no table)."""
+    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    if mask is not None:
+        v = torch.where(mask, v, zero)
+    a = v.abs() if fmt.signed else v
+    absmax = torch.amax(a, dim=1, keepdim=True)
+    y = v / (absmax * (1.0 / fmt.divisor) + _TINY)
+    if fmt.kind == "asinh":
+        k = torch.asinh(y) * fmt.gain + fmt.base
+    elif fmt.param == 0.25:
+        k = torch.sqrt(torch.sqrt(y))
+    elif fmt.param == 0.5:
+        k = torch.sqrt(y)
+    else:
+        k = torch.pow(y, fmt.param)
+    return torch.round(k), absmax
 
 
 def encode_(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat,
@@ -240,11 +431,23 @@ def encode_(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt
 
     ``mask`` (``(blocks, block)`` bool, :func:`block_mask`): elements outside
     it (padding) are encoded as 0 and do not count towards the block's maximum.
-    ``values`` is not modified.  A block of zeros gets scale 0 (and decodes to
-    zeros); a block holding inf or NaN gets a non-finite scale, so it decodes
-    non-finite as a whole, as a full-precision state would hold it.
+    ``values`` is not modified (:func:`encode_into` works in it instead).  A
+    block of zeros gets scale 0 (and decodes to zeros); a block holding inf or
+    NaN gets a non-finite scale, so it decodes non-finite as a whole, as a
+    full-precision state would hold it.
     """
     b = fmt.block
+    if not fmt.legacy:
+        if _compiling():
+            k, absmax = _encode_functional(values.reshape(-1, b), fmt, mask)
+            if fmt.bits == 4:
+                k = k[:, 0::2] + k[:, 1::2] * 16
+            codes.view(-1, k.shape[1]).copy_(k)  # (2-D end to end: a compiled kernel indexes it without a modulo)
+            scales.view(-1, 1).copy_(absmax)
+            return
+        work = values.reshape(-1).clone()
+        encode_into(work, codes, scales, fmt, mask=mask)
+        return
     v = values.reshape(-1, b)
     if mask is not None:
         v = torch.where(mask, v, torch.zeros((), dtype=v.dtype, device=v.device))
@@ -256,24 +459,80 @@ def encode_(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt
         k = k * torch.sign(v) + 2 ** (fmt.bits - 1)
     if fmt.bits == 4:
         k = k[:, 0::2] + k[:, 1::2] * 16
-    codes.view(-1, k.shape[1]).copy_(k)  # (2-D end to end: a compiled kernel indexes it without a modulo)
+    codes.view(-1, k.shape[1]).copy_(k)
     scales.view(-1, 1).copy_(absmax)
+
+
+def decode_into(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, out: torch.Tensor,
+                index: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode into ``out`` (1-D, whole blocks, float): ``index`` (int32, :func:`index_elements` of them, the
+    caller's scratch; allocated if None) receives the codes, one ``index_select`` from the table writes
+    ``out``, one multiply scales it: 3 ops, nothing allocated with ``index`` given."""
+    n = codes.numel()
+    if index is None:
+        index = torch.empty(n, dtype=torch.int32, device=codes.device)
+    index = index.view(-1)[:n]
+    index.copy_(codes.view(-1))
+    table = _levels(fmt, out.dtype, codes.device)
+    torch.index_select(table, 0, index, out=out.view(n, -1) if fmt.bits == 4 else out.view(-1))
+    out.view(-1, fmt.block).mul_(scales.view(-1, 1))
+    return out
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, dtype: torch.dtype,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The values of ``codes``/``scales`` in ``dtype`` (into ``out`` when given: a 1-D tensor of whole blocks)."""
     per_byte = 2 if fmt.bits == 4 else 1
-    index = codes.view(-1, fmt.block // per_byte).to(torch.int32)
-    if fmt.bits == 4:
-        high = torch.div(index, 16, rounding_mode="floor")
-        index = torch.stack((index - high * 16, high), dim=-1).view(-1, fmt.block)
-    table = _table(f"{fmt.name}/levels", fmt.levels(), dtype, codes.device)
-    values = _gather(table, index) * scales.view(-1, 1).to(dtype)
-    if out is None:  # 1-D codes give 1-D values; codes shaped (blocks, ...) give (blocks, block)
-        return values.view(-1) if codes.dim() == 1 else values
-    out.view(-1, fmt.block).copy_(values)
-    return out
+    if _compiling():
+        index = codes.view(-1, fmt.block // per_byte).to(torch.int32)
+        table = _levels(fmt, dtype, codes.device)
+        values = (_gather(table, index).view(-1, fmt.block) if fmt.bits == 4 else _gather(table, index))
+        values = values * scales.view(-1, 1).to(dtype)
+        if out is None:
+            return values.view(-1) if codes.dim() == 1 else values
+        out.view(-1, fmt.block).copy_(values)
+        return out
+    target = out if out is not None else torch.empty(codes.numel() * per_byte, dtype=dtype, device=codes.device)
+    decode_into(codes, scales if scales.dtype == dtype else scales.to(dtype), fmt, target)
+    if out is None and codes.dim() != 1:
+        return target.view(-1, fmt.block)
+    return target
+
+
+# -- the first codebook's encoder (dynamic exponent, linear) ------------------------------------------
+
+
+def _decade_tables(fmt: StateFormat, dtype: torch.dtype, device: torch.device):
+    """Per decade ``i``: ``10**(D-1-i)`` (the inverse of its top), its bottom as a fraction of its top
+    (0.1; 0 for the lowest decade of a format with a zero level: its levels are 0 and its top), fractions
+    per unit above the bottom (``2**i / (1 - bottom)``), and ``2**i``."""
+    d = fmt.de_decades
+    bottom = [0.0 if i == 0 and fmt.signed else 0.1 for i in range(d)]
+    inv_top = _table(f"{fmt.name}/inv_top", [10.0 ** (d - 1 - i) for i in range(d)], dtype, device)
+    offset = _table(f"{fmt.name}/bottom", bottom, dtype, device)
+    steps = _table(f"{fmt.name}/steps", [2.0**i / (1 - bottom[i]) for i in range(d)], dtype, device)
+    pow2 = _table(f"{fmt.name}/pow2", [2.0**i for i in range(d)], dtype, device)
+    return inv_top, offset, steps, pow2
+
+
+def _magnitude_index(a: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """The nearest magnitude index (within a decade) of ``a = |y|`` in ``[0, 1]``, as floats (first codebook)."""
+    if fmt.kind == "linear":
+        n = 2**fmt.bits
+        k = torch.round(a * n) - 1
+    else:
+        d = fmt.de_decades
+        i = torch.floor(torch.log10(a)) + d
+        i = torch.minimum(torch.where(i >= 0, i, torch.zeros((), dtype=a.dtype, device=a.device)),
+                          torch.full((), d - 1, dtype=a.dtype, device=a.device))  # (log10(0) = -inf, NaN -> 0)
+        index = i.to(torch.int32)
+        inv_top, bottom, steps, pow2 = _decade_tables(fmt, a.dtype, a.device)
+        top = _gather(pow2, index)
+        j = torch.round((a * _gather(inv_top, index) - _gather(bottom, index)) * _gather(steps, index))
+        j = torch.minimum(torch.where(j >= 0, j, torch.zeros((), dtype=a.dtype, device=a.device)), top)
+        k = top - 1 + j  # j = 0 is the top of the decade below (the same level)
+    k = torch.minimum(k, torch.full((), fmt.magnitudes, dtype=a.dtype, device=a.device))
+    return torch.where(k >= 0, k, torch.zeros((), dtype=a.dtype, device=a.device))  # (and NaN -> 0)
 
 
 # -- the storage object --------------------------------------------------------------------------
@@ -302,7 +561,7 @@ class QuantizedState:
         blocks = numel // fmt.block
         if blocks * fmt.block != numel:
             raise ValueError(f"a quantized state holds whole blocks of {fmt.block} elements, got {numel}")
-        base = 2 ** (fmt.bits - 1) if fmt.signed else 0
+        base = fmt.base
         if value == 0:
             code, scale = fmt.zero_code, 0.0
         elif value > 0:
@@ -346,11 +605,22 @@ class QuantizedState:
         return QuantizedState(self.codes[a // per_byte : b // per_byte], self.scales[a // block : b // block],
                               self.format)
 
-    def decode(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, dtype: torch.dtype, out: torch.Tensor | None = None,
+               index: torch.Tensor | None = None) -> torch.Tensor:
+        """The values in ``dtype`` (into ``out``; with ``index``, an int32 scratch of :func:`index_elements`,
+        nothing is allocated)."""
+        if index is not None and out is not None and not _compiling() and self.scales.dtype == dtype:
+            return decode_into(self.codes, self.scales, self.format, out, index)
         return decode(self.codes, self.scales, self.format, dtype, out)
 
-    def encode_(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        encode_(values, self.codes, self.scales, self.format, mask)
+    def encode_(self, values: torch.Tensor, mask: torch.Tensor | None = None, *,
+                small: torch.Tensor | None = None, overwrite: bool = False) -> None:
+        """Encode ``values``; with ``overwrite`` the encoder works in ``values`` (:func:`encode_into`, with
+        ``small`` its per-block scratch: nothing allocated), else ``values`` is left as it was."""
+        if overwrite and not _compiling() and not self.format.legacy:
+            encode_into(values, self.codes, self.scales, self.format, small=small, mask=mask)
+        else:
+            encode_(values, self.codes, self.scales, self.format, mask)
 
     def copy_(self, other: "QuantizedState") -> "QuantizedState":
         self.codes.copy_(other.codes)
