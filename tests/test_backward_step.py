@@ -96,10 +96,27 @@ def test_float64_frozen_parameters_and_runs():
     _train(inside, opt_b, 4, dtype, inside=True)
     assert _same(plain, inside)
     assert torch.equal(inside.a.weight, frozen)
-    # 32 KiB runs: the norm's 1 KiB and b's 32 KiB weight (the run was under half full), then the rest
-    names = {id(p): n for n, p in inside.named_parameters()}
-    assert [[names[id(p)] for p in run.params] for run in handle.runs] == [
-        ["norm.weight", "norm.bias", "b.weight"], ["b.bias", "head.weight", "head.bias", "side.weight", "side.bias"]]
+    ordered = [p for run in handle.runs for p in run.params]
+    assert ordered == [p for p in inside.parameters() if p.requires_grad]  # the buffer's order, every one once
+
+
+def test_runs_are_cut_by_bytes_and_small_runs_join_a_neighbour():
+    """A run closes once half full when the next parameter would overflow it; a run averaging fewer elements
+    than the fused backend reads in place joins its neighbour (gathered, it would allocate the flat gradient
+    buffer)."""
+    from dml_optim.backends.fused import LIST_MIN_ELEMENTS
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 256),
+                              torch.nn.Linear(256, 8))
+    opt = build("adamw", list(net.parameters()), lr=1e-3)
+    handle = step_in_backward(opt, run_bytes=256 * 256 * 4)
+    assert [p for run in handle.runs for p in run.params] == list(net.parameters())
+    assert len(handle.runs) >= 2
+    for run in handle.runs:  # no run of small parameters only; at most one parameter of run_bytes
+        assert any(p.numel() >= LIST_MIN_ELEMENTS for p in run.params)
+        assert sum(p.numel() * 4 >= handle.run_bytes for p in run.params) <= 1
+    assert handle.runs[0].params == [net[0].weight]
 
 
 def test_step_after_backward_is_a_no_op_and_remove_restores_the_plain_loop():

@@ -13,7 +13,9 @@ step into the backward pass", torchtune's optimizer-in-backward, LOMO).
 greedily into runs of about ``run_bytes`` bytes of gradient: a run closes
 once it holds half of ``run_bytes`` and the next parameter would take it
 past ``run_bytes`` (so a bias joins the weight after it instead of stepping
-alone; a parameter larger than ``run_bytes`` is a run of its own).  The
+alone; a parameter larger than ``run_bytes`` is a run of its own), and a run
+whose parameters average fewer elements than the fused backend reads in place
+(``LIST_MIN_ELEMENTS``) joins its neighbour in the same buffer.  The
 default, ``None``, is the larger of the largest parameter's gradient and
 1 MiB.  Gradient memory is then bounded by about two runs (the one being
 completed and the next one's first gradients) plus the gradients autograd
@@ -197,12 +199,35 @@ class StepInBackward:
                 if run is None or used + size > self.run_bytes and 2 * used >= self.run_bytes:
                     run, used = _Run([]), 0
                     self.runs.append(run)
-                self._where[id(p)] = (run, len(run.params))
                 run.params.append(p)
                 used += size
+        self._merge_small_runs()
+        for run in self.runs:
+            for pos, p in enumerate(run.params):
+                self._where[id(p)] = (run, pos)
         self._all = [p for run in self.runs for p in run.params]
         for p in self._all:
             self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
+
+    def _merge_small_runs(self) -> None:
+        """A run whose parameters average fewer elements than the fused backend reads in place (a bias alone at
+        the end of a buffer) joins the run before it: gathered, it would allocate the whole flat gradient
+        buffer.  (Runs of one buffer only: the first run of a buffer joins the next.)"""
+        try:
+            from dml_optim.backends.fused import LIST_MIN_ELEMENTS as least
+        except ImportError:  # the threshold moved: the value of its first version
+            least = 1 << 14
+        buffer_of = {id(p): n for n, ps in enumerate(self._ordered_params()) for p in ps}
+        merged: list[_Run] = []
+        for run in self.runs:
+            small = sum(p.numel() for p in run.params) < least * len(run.params)
+            prev = merged[-1] if merged else None
+            if prev is not None and buffer_of[id(prev.params[0])] == buffer_of[id(run.params[0])] and (
+                    small or sum(p.numel() for p in prev.params) < least * len(prev.params)):
+                prev.params.extend(run.params)
+            else:
+                merged.append(run)
+        self.runs = merged
 
     def remove(self) -> None:
         """Remove the hooks: the optimizer steps only when ``step()`` is called again."""
