@@ -64,6 +64,11 @@ def test_every_source_is_committed_and_complete():
         doc = json.loads((ROOT / path).read_text())
         if key == "audit":
             assert [(r["optimizer"], r["model"]) for r in doc["rows"]] == list(readme_tables.AUDIT_ROWS)
+        elif key == "memory":  # the whole-training peaks: every row measured or saying why not, torch's reference in both styles
+            assert doc["schema"] == "dml-optim-wholemem-1" and doc["model"]["params"] >= 50_000_000, path
+            assert all(r["status"] == "measured" or r["reason"] for r in doc["rows"]), path
+            assert {r["zero_grad"] for r in doc["rows"] if r["config"] == "torch-fp32" and r["status"] == "measured"} == {
+                "set_to_none=True", "set_to_none=False"}, path
         else:
             device = "cpu" if key == "lowbit" else key  # the low-bit row is a CPU run of its own
             assert doc["complete"] and not doc["quick"] and doc["device"].startswith(device), path

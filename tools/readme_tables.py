@@ -46,6 +46,7 @@ SOURCES = {
     "cpu": "bench/results/cpu-2026-11-27.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-25.json",
+    "memory": "bench/results/memory-2026-11-27.json",
 }
 #: (optimizer, model) per row of the audit table.
 AUDIT_ROWS = (
@@ -459,6 +460,45 @@ def _training_bytes() -> str:
     return training_bytes_table([measure("adamw", CONFIGS[c]) for c in TRAINING_CONFIGS])
 
 
+def peak_table(doc: dict[str, Any], source: str) -> str:
+    """Whole-training peaks measured by ``python -m dml_optim.benchmark.wholemem``: bytes per parameter at the
+    steady peak of real training steps, both ``zero_grad`` styles, each beside torch.optim.AdamW FP32's."""
+    rows: dict[str, dict[str, dict]] = {}
+    for row in doc["rows"]:
+        rows.setdefault(row["config"], {})[row["zero_grad"]] = row
+    ref = rows["torch-fp32"]
+    styles = ("set_to_none=True", "set_to_none=False")
+
+    def cell(row: dict | None, style: str) -> str:
+        if row is None or row["status"] != "measured":
+            return "n/a"
+        base = ref[style]["peak_bytes_per_param"]
+        return f"{row['peak_bytes_per_param']:.2f} ({row['peak_bytes_per_param'] / base:.2f}x)"
+
+    lines = ["| configuration | peak B/param, `zero_grad(set_to_none=True)` | peak B/param, `set_to_none=False` "
+             "| params + grads + state (arithmetic) |", "|---|---:|---:|---:|"]
+    skipped = []
+    for config, by_style in rows.items():
+        first = by_style[styles[0]]
+        if all(r["status"] != "measured" for r in by_style.values()):
+            skipped.append(f"{first['label']} ({first['status']})")
+            continue
+        arith = next((r.get("arithmetic_bytes_per_param") for r in by_style.values() if r["status"] == "measured"), None)
+        lines.append(f"| {first['label']} | {cell(by_style.get(styles[0]), styles[0])} | "
+                     f"{cell(by_style.get(styles[1]), styles[1])} | {'n/a' if arith is None else f'{arith:.2f}'} |")
+    m, model = doc["machine"], doc["model"]
+    note = (f"(Measured, not computed: {model['description']}, {model['params'] / 1e6:.1f}M parameters; each row a "
+            f"subprocess running forward, backward, clipping, step and zero_grad, its peak resident size (VmHWM, "
+            f"freed blocks returned to the OS) above the resident size before the model existed, divided by the "
+            f"parameters; the ratio is to torch.optim.AdamW FP32's peak in the same style. A {m.get('cpu_count')}-core "
+            f"{m.get('cpu_model', 'CPU')} VM, {m.get('torch_threads')} threads, torch {doc['versions'].get('torch')}, {doc['created'][:10]} (`{source}`, written by "
+            f"`python -m dml_optim.benchmark.wholemem`).")
+    if skipped:
+        note += " Not measured: " + "; ".join(skipped) + "."
+    note += ")"
+    return "\n".join(lines + ["", _fill(note)])
+
+
 #: Marker name -> the function that writes the text between that marker pair.
 TABLES = {
     "AUDIT-TABLE": lambda: audit_table(_load("audit"), SOURCES["audit"]),
@@ -467,6 +507,7 @@ TABLES = {
     "LOWBIT-TABLE": lambda: lowbit_section(_load("lowbit")),
     "PRECISION-TABLE": lambda: precision_headline((ROOT / COMPARE_REPORT).read_text(encoding="utf-8"), COMPARE_REPORT),
     "MEMORY-TABLE": _memory_table,
+    "PEAK-TABLE": lambda: peak_table(_load("memory"), SOURCES["memory"]),
     "TRAINING-BYTES": _training_bytes,
 }
 #: The tables measured when written (seconds each), not read from a committed document.
