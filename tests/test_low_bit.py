@@ -238,7 +238,7 @@ def test_a_checkpoint_resumes_bit_identically(name, bits):
     opt = _build(name, model, bits, backend="eager")
     _train(model, opt, batches[:4])
     ckpt = _saved({"model": model.state_dict(), "opt": opt.state_dict()})
-    assert ckpt["opt"]["dml_optim"]["quantization"] == "dml-optim-blockwise-1"
+    assert ckpt["opt"]["dml_optim"]["quantization"] == Q.ACTIVE_CODEBOOK  # the codebook's name
     entry = ckpt["opt"]["state"][0]
     first = type(opt).state_names[0]
     assert entry[f"{first}_codes"].dtype == torch.uint8 and entry[f"{first}_absmax"].dtype == torch.float32
@@ -285,6 +285,103 @@ def test_checkpoints_move_between_precisions(bits):
     other = _build("adamw", _model(), 12 - bits)  # 8-bit into 4-bit and back: decoded and encoded again
     other.load_state_dict(_saved(low.state_dict()))
     assert all(s.format.bits == 12 - bits for _, s in _quantized(other))
+
+
+def _saved_values(sd, bits, cls, codebook, params):
+    """Per parameter index and state name: the values a low-bit state dict holds (decoded with its formats,
+    padding cut off), as ``{(index, name): tensor}``."""
+    out = {}
+    for pid, entry in sd["state"].items():
+        for key in entry:
+            if key.endswith("_codes"):
+                name = key[: -len("_codes")]
+                fmt = Q.format_for(bits, name not in cls.unsigned_states, codebook)
+                out[(pid, name)] = Q.decode(entry[key], entry[f"{name}_absmax"], fmt, torch.float32)[: params[pid].numel()]
+            elif key != "step" and not key.endswith("_absmax"):
+                out[(pid, key)] = entry[key].reshape(-1)
+    return out
+
+
+def _within_bound(loaded, saved, fmt):
+    """Every loaded element within ``fmt``'s bound of the saved one, blocks laid from the parameter's first
+    element (a padding that shifted the values would put them in the wrong blocks, far outside)."""
+    n = saved.numel()
+    padded = torch.zeros(-(-n // fmt.block) * fmt.block)
+    padded[:n] = saved
+    absmax = padded.view(-1, fmt.block).abs().amax(1, keepdim=True).expand(-1, fmt.block).reshape(-1)[:n]
+    y = (saved / torch.where(absmax > 0, absmax, torch.ones(()))).double()
+    bound = torch.tensor([fmt.bound(float(t)) for t in y]) * absmax.double() * (1 + 1e-5) + 1e-12
+    assert torch.all((loaded.double() - saved.double()).abs() <= bound)
+
+
+@pytest.mark.parametrize("source,target", [(8, 4), (8, None), (4, 8), (None, 8)])
+def test_checkpoints_load_across_formats_element_by_element(source, target):
+    """A checkpoint saved with ``state_bits=source`` loads into ``state_bits=target`` (None: full precision):
+    each loaded value is the saved one (full precision: exactly), or within the target code's bound of it,
+    element by element, for parameters whose sizes are not whole numbers of blocks (4160 = 16.25 blocks of
+    256, 32.5 of 128; 8320) and the small ones that stay in full precision."""
+    batches = _batches(3)
+    model = _model()
+    opt = dml_optim.AdamW(model.parameters(), lr=1e-3, state_bits=source)
+    _train(model, opt, batches)
+    sd = _saved(opt.state_dict())
+    codebook = sd["dml_optim"].get("quantization")
+    saved = _saved_values(sd, source, dml_optim.AdamW, codebook, list(model.parameters())) if source else {
+        (pid, k): v.reshape(-1) for pid, e in sd["state"].items() for k, v in e.items() if k != "step"}
+    twin = _model(seed=3)
+    other = dml_optim.AdamW(twin.parameters(), lr=1e-3, state_bits=target)
+    other.load_state_dict(sd)
+    params = list(twin.parameters())
+    checked = 0
+    for (pid, name), value in saved.items():
+        p = params[pid]
+        loaded = other.state[p][name].reshape(-1)  # (optimizer.state shows decoded values)
+        assert loaded.numel() == p.numel() == value.numel()
+        if target is None or p.numel() < Q.MIN_ELEMENTS:
+            assert torch.equal(loaded, value.to(loaded.dtype)), (pid, name)
+        else:
+            _within_bound(loaded, value, Q.format_for(target, name not in dml_optim.AdamW.unsigned_states))
+            checked += 1
+    assert checked == (4 if target else 0)  # two padded matrices, two states each
+    _train(twin, other, batches)  # and it steps on
+    assert all(torch.isfinite(p).all() for p in twin.parameters())
+
+
+def test_a_checkpoint_of_the_first_codebook_still_loads():
+    """Codes saved with the first codebook (dynamic exponent, linear) decode with its own formats and are
+    encoded again in the current ones: the loaded values are the old ones within the current code's bound."""
+    model = _model()
+    opt = dml_optim.AdamW(model.parameters(), lr=1e-3)  # full precision: the reference values
+    _train(model, opt, _batches(3))
+    full = _saved(opt.state_dict())
+    sd = copy.deepcopy(full)
+    sd["param_groups"][0]["state_bits"] = 8
+    expected = {}
+    for pid, entry in sd["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            if entry[name].numel() < Q.MIN_ELEMENTS:
+                continue
+            fmt = Q.format_for(8, name == "exp_avg", Q.LEGACY_CODEBOOK)
+            values = entry.pop(name).reshape(-1)
+            padded = torch.zeros(-(-values.numel() // fmt.block) * fmt.block)
+            padded[: values.numel()] = values
+            codes, scales = torch.empty(padded.numel(), dtype=torch.uint8), torch.empty(padded.numel() // fmt.block)
+            Q.encode_(padded, codes, scales, fmt)
+            entry[f"{name}_codes"], entry[f"{name}_absmax"] = codes, scales
+            expected[(pid, name)] = Q.decode(codes, scales, fmt, torch.float32)[: values.numel()]
+    sd["dml_optim"]["quantization"] = Q.LEGACY_CODEBOOK
+    assert expected
+    twin = _model(seed=3)
+    other = dml_optim.AdamW(twin.parameters(), lr=1e-3, state_bits=8)
+    other.load_state_dict(sd)
+    params = list(twin.parameters())
+    for (pid, name), value in expected.items():
+        loaded = other.state[params[pid]][name].reshape(-1)
+        fmt = Q.format_for(8, name == "exp_avg")
+        if fmt.legacy:  # (the first codebook is still the one new states use: the codes are copied)
+            assert torch.equal(loaded, value)
+        else:
+            _within_bound(loaded, value, fmt)
 
 
 def test_a_malformed_quantized_entry_is_refused_by_name():

@@ -214,7 +214,11 @@ class StateFormat:
                 return self.level(0) - a
             lo, hi = u - 0.5, min(u + 0.5, K)
             return max(a - (lo / K) ** (1 / p), (hi / K) ** (1 / p) - a)
-        raise ValueError(f"{self.name}: see tests/test_quant.py for the first codebook's bounds")
+        if self.kind == "linear":  # half a step of 1/16; below the smallest level (1/16) the distance up to it
+            return 1 / 16 - a if a < 1 / 16 else 1 / 32
+        d = self.de_decades  # half a step of the decade; below the smallest level the distance to it
+        i = min(max(math.floor(math.log10(a)) + d, 0), d - 1) if a > 0 else 0
+        return max(0.45 * 10.0 ** (i - d + 1) / 2**i, 0.55 * 10.0 ** (1 - d) if self.signed else 10.0**-d)
 
 
 #: The codebook :func:`format_for` gives (its name is saved in checkpoints, ``state_dict()["dml_optim"]``).
@@ -381,14 +385,17 @@ def encode_into(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     col = scales.view(-1, 1)
     if mask is not None:
         torch.where(mask, v, _constant(0.0, dtype, device), out=v)
-    if fmt.signed:
-        torch.linalg.vector_norm(v, float("inf"), dim=1, keepdim=True, out=col)
-    else:
-        torch.amax(v, dim=1, keepdim=True, out=col)
     if small is None:
         small = torch.empty(scales.shape, dtype=dtype, device=device)
     s = small.view(-1, 1)
-    torch.add(_constant(_TINY, dtype, device), col, alpha=1.0 / fmt.divisor, out=s)  # (a zero block: 0 / tiny)
+    peak = col if col.dtype == dtype else s  # (float64 values: the maximum in float64, then stored as float32)
+    if fmt.signed:
+        torch.linalg.vector_norm(v, float("inf"), dim=1, keepdim=True, out=peak)
+    else:
+        torch.amax(v, dim=1, keepdim=True, out=peak)
+    if peak is not col:
+        col.copy_(peak)
+    torch.add(_constant(_TINY, dtype, device), peak, alpha=1.0 / fmt.divisor, out=s)  # (a zero block: 0 / tiny)
     v.div_(s)
     if fmt.kind == "asinh":
         v.asinh_()
