@@ -6,7 +6,9 @@ round-robin in one process (:func:`~dml_optim.benchmark.timing.round_robin`):
 
 * ``torch fused``: ``torch.optim.AdamW(fused=True)``, FP32 state (8 bytes per parameter);
 * ``dml_optim 8-bit`` / ``dml_optim 4-bit``: ``dml_optim.AdamW(state_bits=...)``, the backend
-  ``auto`` picks (recorded);
+  ``auto`` picks (recorded), in the codebook new states use (``quant.ACTIVE_CODEBOOK``);
+* ``dml_optim 8-bit blockwise-1`` / ``blockwise-2``: the same with its states made in that codebook (the
+  first: dynamic exponent; the second: asinh and power codes), side by side in the same rounds;
 * ``bitsandbytes AdamW8bit``, ``torchao AdamW8bit``, ``torchao AdamW4bit``: where the package is
   installed (the ``peers`` extra: ``pip install ".[peers]"``), else the row says "not installed".
 
@@ -17,6 +19,7 @@ full-precision state) per parameter, read from the optimizer's own tensors.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from typing import Any, Callable
 
@@ -29,8 +32,8 @@ __all__ = ["CANDIDATES", "measure_lowbit", "NUMEL", "QUICK_NUMEL"]
 
 NUMEL = 1 << 24
 QUICK_NUMEL = 1 << 20
-CANDIDATES = ("torch fused", "dml_optim 8-bit", "dml_optim 4-bit", "bitsandbytes AdamW8bit", "torchao AdamW8bit",
-              "torchao AdamW4bit")
+CANDIDATES = ("torch fused", "dml_optim 8-bit", "dml_optim 4-bit", "dml_optim 8-bit blockwise-1",
+              "dml_optim 8-bit blockwise-2", "bitsandbytes AdamW8bit", "torchao AdamW8bit", "torchao AdamW4bit")
 _PACKAGE = {"bitsandbytes AdamW8bit": "bitsandbytes", "torchao AdamW8bit": "torchao", "torchao AdamW4bit": "torchao"}
 _HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
@@ -49,6 +52,19 @@ def _build(name: str, params: list[torch.nn.Parameter], device: torch.device) ->
     from torchao.optim import AdamW4bit, AdamW8bit
 
     return (AdamW8bit if name.endswith("8bit") else AdamW4bit)(params, **_HYPER)
+
+
+@contextlib.contextmanager
+def _codebook(name: str):
+    """New states in the codebook a candidate names (``... blockwise-N``), else the active one."""
+    from dml_optim.core import quant
+
+    book = f"dml-optim-{name.split()[-1]}" if "blockwise" in name else quant.ACTIVE_CODEBOOK
+    saved, quant.ACTIVE_CODEBOOK = quant.ACTIVE_CODEBOOK, book
+    try:
+        yield
+    finally:
+        quant.ACTIVE_CODEBOOK = saved
 
 
 def _unavailable(name: str, device: torch.device) -> str | None:
@@ -109,7 +125,8 @@ def measure_lowbit(device: torch.device, dtype: torch.dtype, settings: dict, log
             p = torch.nn.Parameter(values.clone())
             p.grad = grad.clone()
             opt = _build(name, [p], device)
-            first[name] = wall_seconds(opt.step, device, probe=p)
+            with _codebook(name):  # (states are made at the first step)
+                first[name] = wall_seconds(opt.step, device, probe=p)
             opts[name] = opt
             steps[name] = opt.step
             row["available"] = True
