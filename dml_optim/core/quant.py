@@ -5,6 +5,9 @@ rule never sees it.  Before the rule runs a range is decoded into the compute
 dtype (as a float16 state is converted into float32), after it the result is
 encoded back (docs/design.md §5, "Low-bit state").
 
+Long by design: it holds two codebooks (the first still decodes the checkpoints saved with it), each
+with its eager encoder and decoder (in place, in a caller's scratch) and the form a compiled kernel traces.
+
 **Layout.** The elements are cut into blocks of :data:`BLOCK` elements (256
 at 8 bits, 128 at 4 bits); each block keeps one float32 scale, its absolute
 maximum, and each element one code (a byte, or a nibble: two codes per byte,
