@@ -42,7 +42,7 @@ from dml_optim.benchmark.workloads import FROZEN_PREFIXES  # noqa: E402
 README = ROOT / "README.md"
 #: The committed documents the tables are written from (paths relative to the repository root).
 SOURCES = {
-    "audit": "bench/results/audit-2026-11-25.json",
+    "audit": "bench/results/audit-2026-11-27.json",
     "cpu": "bench/results/cpu-2026-11-27.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-25.json",
@@ -99,19 +99,25 @@ def _fallbacks(side: dict) -> str:
 def audit_table(doc: dict[str, Any], source: str) -> str:
     """The audit table and its note."""
     lines = ["| model (tensors, parameters) | optimizer | ops per step: dml_optim / torch.optim | "
-             "CPU fallbacks per step: dml_optim / torch.optim | allocations per step: dml_optim / torch.optim |",
-             "|---|---|---:|---:|---:|"]
+             "CPU fallbacks per step: dml_optim / torch.optim | allocations per step: dml_optim / torch.optim | "
+             "bytes moved per parameter: dml_optim / torch.optim (with its fallbacks' bus trips) | least a step moves |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in doc["rows"]:
         ours, theirs = r["ours"], r["torch"]
         lines.append(f"| {r['model']} ({r['tensors']:,}, {r['parameters'] / 1e6:.1f}M) | `{_short(ours['optimizer'])}` vs "
                      f"`{_short(theirs['optimizer'])}` | {ours['total_ops']:,} / {theirs['total_ops']:,} | "
-                     f"{_fallbacks(ours)} / {_fallbacks(theirs)} | {ours['allocations']:,} / {theirs['allocations']:,} |")
+                     f"{_fallbacks(ours)} / {_fallbacks(theirs)} | {ours['allocations']:,} / {theirs['allocations']:,} | "
+                     f"{ours['bytes_moved_per_param']:.0f} / {theirs['bytes_moved_per_param']:.0f} "
+                     f"({theirs['bytes_with_fallbacks_per_param']:.0f}) | {ours['least_bytes_per_param']:.0f} |")
     syncs = sum(r[side]["host_syncs"] for r in doc["rows"] for side in ("ours", "torch"))
     sync_note = ("Neither side makes a host sync in these steps." if syncs == 0
                  else f"{syncs} host syncs in these steps (see the JSON).")
     note = (f"(`dml-optim audit --optimizer NAME --model MODEL`: one step after a warm-up step, torch {doc['torch']}, "
             f"recorded in `{source}` by `python tools/readme_tables.py --record-audit`, which writes this table. "
-            f"{sync_note} An allocation is a new tensor the step creates.)")
+            f"{sync_note} An allocation is a new tensor the step creates. Bytes moved: per op, each distinct tensor "
+            f"read and each written (an in-place op's tensor both), summed over the step; an op that falls back to "
+            f"the CPU on DirectML also copies its tensors over the bus and back, counted in parentheses. The least "
+            f"a step moves: its parameters, gradients and states read once and the updated ones written once.)")
     return "\n".join(lines + ["", _fill(note)])
 
 
