@@ -8,6 +8,9 @@ the dispatch table of torch-directml 0.2.5 shipped in the package
 DirectML device, which ops would fall back to the CPU, how many host
 synchronisations and new allocations it makes.
 
+Long by design: one report, its recorder, its counting rules and their resolution against the dispatch table
+belong together.
+
 Counting rules (what :class:`AuditReport` reports):
 
 * **ops**: :mod:`dml_optim.core.opcount`'s definition, shared with the

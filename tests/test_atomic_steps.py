@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import dml_optim.core.functional
-import dml_optim.optimizers.engine as engine
+import dml_optim.backends.eager as engine
 from dml_optim.backends.choose import resolved_backends
 from introspect import buffers, runs_in_chunks
 from matrix import Case, case_of, classes

@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 
 import dml_optim
 from dml_optim.backends import choose as backends, compiled
+from dml_optim.backends import direct as direct_calls
 from dml_optim.backends.compiled import CompileFallbackWarning
 from dml_optim.core.opcount import OpRecorder
 from introspect import buffers
@@ -282,7 +283,7 @@ def test_auto_runs_plain_cpu_buffers_with_torchs_fused_kernel(name):
             warnings.simplefilter("error")  # no fallback of any kind
             _steps(opt, params, 2)
         assert backends.resolved_backends(opt) == [["fused"]]
-        assert opt._layout[0].buffers[0].eager_s == 0.0 and not backends.tiering_pending(opt)
+        assert buffers(opt)[0].eager_seconds == 0.0 and not backends.tiering_pending(opt)
     big = torch.nn.Parameter(torch.randn(backends.AUTO_TIER_MIN_ELEMENTS["cpu"]))  # (a size the eager chain tiers)
     opt = ENTRIES[name].cls([big], lr=1e-3)
     assert backends.resolved_backends(opt) == [["fused"]] and not backends.tiering_pending(opt)
@@ -619,7 +620,7 @@ def _direct_run(monkeypatch, direct: bool) -> tuple[list[torch.Tensor], list]:
     """Two groups (two buffer lengths), a scheduler-like lr change, a Kahan-free AdamW: parameters
     after 6 compiled steps, and each kernel's direct caller (None where dynamo's call runs)."""
     monkeypatch.setattr(compiled, "_KERNELS", {})
-    monkeypatch.setattr(compiled, "DIRECT_CALLS", direct)
+    monkeypatch.setattr(direct_calls, "DIRECT_CALLS", direct)
     gen = torch.Generator().manual_seed(9)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (300, 41, 7)]
     opt = dml_optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}], lr=1e-2,
@@ -724,7 +725,7 @@ def test_small_and_quantized_buffers_never_tier():
         for _ in range(3):
             opt.step()
         assert backends.resolved_backends(opt) == [["eager"]], options
-        assert opt._layout[0].buffers[0].eager_s == 0.0 and not backends.tiering_pending(opt), options
+        assert buffers(opt)[0].eager_seconds == 0.0 and not backends.tiering_pending(opt), options
 
 
 def test_a_buffer_that_tiers_is_pending_until_it_compiles(monkeypatch):
@@ -737,10 +738,10 @@ def test_a_buffer_that_tiers_is_pending_until_it_compiles(monkeypatch):
     p.grad = torch.randn(n)
     opt = dml_optim.AdamW([p], **TIERED)
     opt.step()
-    flat = opt._layout[0].buffers[0]
-    assert flat.eager_s > 0 and backends.tiering_pending(opt)
+    spent = buffers(opt)[0].eager_seconds
+    assert spent > 0 and backends.tiering_pending(opt)
     assert backends.resolved_backends(opt) == [["eager"]]
-    flat.eager_s = backends.AUTO_COMPILE_AFTER_EAGER_S["cpu"]
+    monkeypatch.setitem(backends.AUTO_COMPILE_AFTER_EAGER_S, "cpu", spent)  # (its time reaches the threshold)
     assert backends.resolved_backends(opt) == [["compiled"]] and not backends.tiering_pending(opt)
 
 
@@ -754,9 +755,9 @@ def test_the_eager_time_survives_a_repack():
     for _ in range(3):
         opt.step()
     assert backends.resolved_backends(opt) == [["eager"]]
-    spent = opt._layout[0].buffers[0].eager_s
+    spent = buffers(opt)[0].eager_seconds
     assert spent > 0
     b.requires_grad_(True)
     b.grad = torch.randn(n)
     opt.step()
-    assert opt._layout[0].buffers[0].eager_s > spent
+    assert buffers(opt)[0].eager_seconds > spent

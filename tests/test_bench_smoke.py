@@ -206,7 +206,7 @@ def test_what_a_run_leaves_out_is_listed_with_the_reason():
     assert plan.rows == ("host",) and [t.row for t in plan.tasks] == ["host"]  # graph: not an error, left out
     reasons = {n["what"]: n["reason"] for n in plan.not_measured}
     assert reasons.pop("graph").startswith("CUDA only: ")
-    assert set(reasons) == {"memory", "construction", "instances", "frozen", "nonepattern", "lowbit", "speed"}
+    assert set(reasons) == {"memory", "construction", "instances", "frozen", "nonepattern", "loops", "lowbit", "speed"}
     assert compiled.compile_available("cpu")[0] is (reasons["instances"] == "not selected (--rows)")
     assert {reasons[r] for r in ("memory", "construction", "frozen", "nonepattern", "lowbit", "speed")} == {
         "not selected (--rows)"}

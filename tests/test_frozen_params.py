@@ -398,7 +398,7 @@ def test_unfrozen_parameter_gets_fresh_state_and_others_keep_theirs():
 def _mask_on_cpu(monkeypatch) -> None:
     """Make the CPU take masked updates, as DirectML and CUDA do (on the CPU one update per run is faster)."""
     from dml_optim.backends import choose as backends
-    from dml_optim.optimizers import engine
+    from dml_optim.backends import eager as engine
 
     monkeypatch.setattr(engine, "MASKED_DEVICES", (*engine.MASKED_DEVICES, "cpu"))
     monkeypatch.setitem(backends.AUTO_COMPILE_MIN_ELEMENTS_MASKED, "cpu", 1 << 16)

@@ -182,8 +182,6 @@ def test_a_gradient_tensor_that_stays_is_gathered_once_and_the_steps_then_repeat
         p.grad, q.grad = torch.zeros_like(p), torch.zeros_like(q)
     mine = [p.grad for p in ours]
     full = []  # the steps that took the full path (planning the layout, gathering)
-    prepare = opt._prepare
-    opt._prepare = lambda *args, **kwargs: (full.append(step), prepare(*args, **kwargs))[1]
     for step in range(5):
         for p, q, g in zip(ours, theirs, _grads(shapes, step)):
             p.grad.zero_()
@@ -196,6 +194,8 @@ def test_a_gradient_tensor_that_stays_is_gathered_once_and_the_steps_then_repeat
             assert all(p.grad is g for p, g in zip(ours, mine)) and buffers(opt)[0].grad is None
         else:
             assert buffers(opt)[0].grad is not None and not any(p.grad is g for p, g in zip(ours, mine))
+        if not buffers(opt)[0].repeated:
+            full.append(step)
     assert full == [0, 1]  # (step 1 gathers and records the bindings; then the steps repeat)
 
 
@@ -454,24 +454,15 @@ def test_the_repeated_in_place_step_equals_the_full_path_under_every_change(name
     values."""
     shapes = [(128, 128), (BIG,), (64, 256), (BIG + 8,)]
     params, opts = _repeating_and_not(name, shapes, checks)
-    read_again = []
-    real = FlatOptimizer._reads_again
-
-    def counting(self, flat, mode):
-        done = real(self, flat, mode)
-        read_again.append(done)
-        return done
-
-    FlatOptimizer._reads_again = counting
+    read_again = []  # per step: the steps whose every buffer repeated the last step (the public flag)
     held = [[None] * len(shapes) for _ in opts]
-    try:
-        for step in range(30):
-            _fresh_loop(opts, params, held, step)
-            _assert_equal(params[0], params[1], f"{name} checks={checks} step {step}")
-            for ours, theirs in zip(params[0], params[1]):
-                assert (ours.grad is None) == (theirs.grad is None)
-    finally:
-        FlatOptimizer._reads_again = real
+    for step in range(30):
+        _fresh_loop(opts, params, held, step)
+        read_again.append(all(info.repeated for info in opts[0].flat_buffers()))
+        assert not any(info.repeated for info in opts[1].flat_buffers())
+        _assert_equal(params[0], params[1], f"{name} checks={checks} step {step}")
+        for ours, theirs in zip(params[0], params[1]):
+            assert (ours.grad is None) == (theirs.grad is None)
     assert sum(read_again) >= 10, read_again  # the None patterns and fresh gradients repeated the plan
     mine, other = opts[0].flat_buffers(), opts[1].flat_buffers()
     for a, b in zip(mine, other):  # the same buffers, every parameter bound to its slice of them
@@ -510,11 +501,11 @@ def test_parameters_left_without_a_gradient_repeat_and_are_not_zeroed_each_step(
     bit for bit equal to an optimizer that never repeats, through a gradient coming back and a scheduler."""
     shapes = [(32, 16), (600,), (40,), (24,)]
     params, opts = _repeating_and_not(name, shapes, checks)
-    full = []
-    prepare = opts[0]._prepare
-    opts[0]._prepare = lambda *args, **kwargs: (full.append(step), prepare(*args, **kwargs))[1]
+    full = []  # the steps that planned from scratch (the public flag)
     for step in range(20):
         _absent_loop(opts, params, step)
+        if not all(info.repeated for info in opts[0].flat_buffers()):
+            full.append(step)
         _assert_equal(params[0], params[1], f"{name} checks={checks} step {step}")
     assert len(full) <= 8, full  # the steps between the changes repeat
     assert 10 in full and 13 in full  # (the gradient that came back, and left again, took the full path)
@@ -566,27 +557,33 @@ def test_the_repeat_is_not_used_where_the_full_path_must_run():
         for _ in range(3):
             p.grad = torch.ones(50) if p.grad is None else p.grad.fill_(1.0)
             opt.step()
-        assert opt._steady is None, options
+            assert not buffers(opt)[0].repeated, options
     opt = _steady_adamw()
     with OpRecorder(compiled=False):
-        assert not opt._repeat()
+        opt.step()
+    assert not buffers(opt)[0].repeated
 
 
 def _steady_adamw():
-    """An AdamW two steps in, its gradient in its view of the flat buffer: the next step may repeat."""
+    """An AdamW three steps in, its gradient in its view of the flat buffer, the last step a repeat: the next
+    step may repeat."""
     p = torch.nn.Parameter(torch.randn(50))
     opt = dml_optim.AdamW([p], lr=1e-3)
     p.grad = torch.ones(50)
     opt.step()
     opt.zero_grad()
     opt.step()
-    assert opt._steady is not None
+    opt.step()
+    assert buffers(opt)[0].repeated
     return opt
 
 
 def test_a_copy_plans_its_first_step_from_scratch():
-    twin = copy.deepcopy(_steady_adamw())
-    assert twin._steady is None
+    opt = _steady_adamw()
+    twin = copy.deepcopy(opt)
+    twin.step()
+    opt.step()
+    assert not buffers(twin)[0].repeated and buffers(opt)[0].repeated
 
 
 def test_the_repeat_runs_without_grad_and_gives_the_callers_grad_mode_back(monkeypatch):
@@ -699,7 +696,7 @@ def test_the_checks_see_every_rebinding_and_the_steps_stay_torchs(rebind, checks
 def test_refs_is_o1_a_steady_step_reads_no_parameter(checks, monkeypatch):
     """``checks="refs"`` reads two use counts per buffer, no parameter: a step over 2,000 parameters reads
     no data pointer and no ``.grad`` of any of them (the default ``"full"`` reads each once)."""
-    from dml_optim.core import flat as flat_module
+    from dml_optim.core import bindings as flat_module
 
     ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(2000)]
     opt = dml_optim.SGD(ps, lr=0.1, momentum=0.9, checks=checks)
@@ -708,7 +705,8 @@ def test_refs_is_o1_a_steady_step_reads_no_parameter(checks, monkeypatch):
     opt.step()
     opt.zero_grad()
     opt.step()
-    assert opt._layout[0].buffers[0].check(checks)
+    opt.step()
+    assert buffers(opt)[0].repeated
     reads = {"data_ptr": 0, "grad": 0}
 
     def counting(name, real):
@@ -720,6 +718,7 @@ def test_refs_is_o1_a_steady_step_reads_no_parameter(checks, monkeypatch):
     monkeypatch.setattr(flat_module, "_DATA_PTR", counting("data_ptr", flat_module._DATA_PTR))
     monkeypatch.setattr(flat_module, "_GRAD", counting("grad", flat_module._GRAD))
     opt.step()
+    assert buffers(opt)[0].repeated
     assert reads == ({"data_ptr": 0, "grad": 0} if checks == "refs" else {"data_ptr": 2000, "grad": 2000})
 
 
@@ -737,9 +736,12 @@ def test_full_also_sees_a_parameter_rebound_inside_its_own_buffer():
         opt.zero_grad()
         for p in ps:
             p.grad.fill_(1.0)
+        opt.step()
+        assert buffers(opt)[0].repeated
         ps[0].data = ps[1].data  # tie p0 to p1's slice
-        flat = opt._layout[0].buffers[0]
-        assert flat.check(checks) is (checks == "refs")
+        opt.step()  # ("refs" does not see it: the step repeats; "full" sees it, diagnoses and adopts the values)
+        assert buffers(opt)[0].repeated is (checks == "refs")
+        assert (ps[0].data_ptr() == buffers(opt)[0].data.data_ptr()) is (checks == "full")
 
 
 def test_the_default_is_full_and_bad_modes_are_refused():
@@ -807,8 +809,6 @@ def test_the_range_check_runs_once_per_block_of_counts_not_once_per_step():
     """Parameters at counts far apart (a layer unfrozen late beside one trained for long): each count's
     block of 256 is checked once, not re-checked at every step (a single remembered range used to swing
     between the two, costing a check of 256 counts per step: 0.6 ms of 0.35)."""
-    from dml_optim.optimizers.engine import EngineMixin
-
     a, b = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
     opt = dml_optim.AdamW([a, b], lr=1e-3)
     sd = opt.state_dict()
@@ -816,19 +816,19 @@ def test_the_range_check_runs_once_per_block_of_counts_not_once_per_step():
                    1: {"step": torch.tensor(600.0), "exp_avg": torch.zeros(8), "exp_avg_sq": torch.zeros(8)}}
     opt.load_state_dict(sd)
     calls = []
-    real = EngineMixin._counts_in_range
+    real = fused._counts_in_range
 
-    def counting(self, *args, **kwargs):
-        calls.append(args[2])
-        return real(self, *args, **kwargs)
+    def counting(opt, group, flat, first, n):
+        calls.append(first)
+        return real(opt, group, flat, first, n)
 
-    EngineMixin._counts_in_range = counting
+    fused._counts_in_range = counting
     try:
         for _ in range(20):
             a.grad, b.grad = torch.ones(8), torch.ones(8)
             opt.step()
     finally:
-        EngineMixin._counts_in_range = real
+        fused._counts_in_range = real
     assert sorted(calls) == [0, 512], calls  # (counts 5..24 in block 0, 600..619 in block 2)
     assert buffers(opt)[0].step_counts == (25, 620)
 

@@ -63,7 +63,8 @@ def test_the_checker_refuses_an_import_into_a_layer_not_allowed(tmp_path):
         "pkg.core.a -> pkg.upper.b (core may import: nothing)"]
 
 
-@pytest.mark.parametrize("module", ["dml_optim.core.steps", "dml_optim.optimizers.registry"])
+@pytest.mark.parametrize("module", ["dml_optim.core.steps", "dml_optim.core.dtypes", "dml_optim.backends.base",
+                                    "dml_optim.backends.eager", "dml_optim.backends.choose", "dml_optim.optimizers.registry"])
 def test_a_module_imports_in_a_fresh_interpreter(module):
     """Importing a lower layer first must not need a higher one to be loaded already."""
     result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)

@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import dml_optim.optimizers.engine as engine
+import dml_optim.backends.eager as engine
 from introspect import buffers, runs_in_chunks
 from matrix import Case, case_of, classes
 from test_bad_inputs import assert_same, snapshot

@@ -148,7 +148,7 @@ def test_changing_none_patterns_follow_the_reference_per_parameter(case, path, m
     from dml_optim.backends.fused import FusedFallbackWarning, LIST_MIN_ELEMENTS
 
     if path == "masked":
-        from dml_optim.optimizers import engine
+        from dml_optim.backends import eager as engine
 
         monkeypatch.setattr(engine, "MASKED_DEVICES", (*engine.MASKED_DEVICES, "cpu"))
         monkeypatch.setitem(backends.AUTO_COMPILE_MIN_ELEMENTS_MASKED, "cpu", 1 << 16)
@@ -171,13 +171,23 @@ def test_changing_none_patterns_follow_the_reference_per_parameter(case, path, m
             for p, g in zip(params, grads):
                 p.grad = g
             opt.step()
-            if case.backend == "fused":  # the fresh gradients were read where they are, or gathered
-                present = [(p, g) for p, g in zip(params, grads) if g is not None]
-                if path == "in-place":
-                    assert all(p.grad is g for p, g in present), k
-                else:
+            if case.backend == "fused":  # the fresh gradients were read where they are, or copied into the flat
+                present = [(p, g) for p, g in zip(params, grads) if g is not None]  # buffer: p.grad stays the caller's
+                if path != "in-place" and k == 0:  # (the first gradients are gathered and adopted as views)
                     lo, hi = _flat_range(opt, "grad")
                     assert all(p.grad is not g and lo <= p.grad.data_ptr() < hi for p, g in present), k
+                else:
+                    assert all(p.grad is g for p, g in present), k
+                if path != "in-place" and k > 0:
+                    (info,) = opt.flat_buffers()
+                    where = {i: n for n, i in enumerate(info.param_indices)}
+                    offsets = [0]
+                    for i in info.param_indices:
+                        offsets.append(offsets[-1] + params[i].numel())
+                    for i, g in enumerate(grads):
+                        if g is not None:
+                            n = where[i]
+                            assert torch.equal(info.grad[offsets[n]:offsets[n + 1]], g.reshape(-1)), (k, i)
             after = opt.state_dict()["state"]
             for i, (p, g) in enumerate(zip(params, grads)):
                 if g is None:
@@ -284,9 +294,14 @@ def test_zero_grad_then_backward_then_step_matches_torch(set_to_none):
         ours.step()
         ref.step()
         _assert_params_equal(ours_m, ref_m)
-        # after the step every gradient is (again) a view of the flat buffer (allocated at the first step)
+        # after the first step every gradient is a view of the flat buffer (allocated then); after
+        # zero_grad(set_to_none=True) the fresh gradients are copied into it and stay the caller's, as torch.optim's
         lo, hi = _flat_range(ours, "grad")
-        assert all(lo <= p.grad.data_ptr() < hi for p in ours_m.parameters())
+        if set_to_none and step > 0:
+            assert not any(lo <= p.grad.data_ptr() < hi for p in ours_m.parameters())
+            assert all(info.repeated for info in ours.flat_buffers()) or step == 1
+        else:
+            assert all(lo <= p.grad.data_ptr() < hi for p in ours_m.parameters())
 
 
 def test_user_replaced_grad_is_gathered():
@@ -298,12 +313,16 @@ def test_user_replaced_grad_is_gathered():
     ref = torch.optim.Adagrad([ref_p, ref_q], lr=0.1, eps=1e-10, foreach=False)
     for step in range(4):
         gp, gq = torch.randn(3, 4, generator=g, dtype=F64), torch.randn(6, generator=g, dtype=F64)
-        p.grad, q.grad = gp.clone(), gq.clone()  # foreign tensors, not views of the flat buffer
+        given = gp.clone(), gq.clone()
+        p.grad, q.grad = given  # foreign tensors, not views of the flat buffer
         ref_p.grad, ref_q.grad = gp.clone(), gq.clone()
         ours.step()
         ref.step()
         lo, hi = _flat_range(ours, "grad")
-        assert lo <= p.grad.data_ptr() < hi and lo <= q.grad.data_ptr() < hi
+        if step == 0:  # the first gradients are gathered and adopted: p.grad becomes its view of the flat buffer
+            assert lo <= p.grad.data_ptr() < hi and lo <= q.grad.data_ptr() < hi
+        else:  # fresh tensors again: copied into the flat buffer, p.grad stays the caller's (as torch.optim's)
+            assert p.grad is given[0] and q.grad is given[1]
         assert torch.equal(p.grad, gp) and torch.equal(q.grad, gq)
         assert_close(p.detach(), ref_p.detach())
         assert_close(q.detach(), ref_q.detach())

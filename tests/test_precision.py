@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dml_optim
-import dml_optim.optimizers.engine as engine
+import dml_optim.backends.eager as engine
 from dml_optim import precision as P
 from dml_optim.backends.choose import resolved_backends
 from dml_optim.optimizers.registry import NAMES

@@ -1,4 +1,11 @@
-"""Choosing how a flat buffer's rule runs: ``eager``, ``compiled`` or ``fused``.
+"""The one place that decides how a flat buffer's rule runs: ``eager``, ``compiled`` or ``fused``.
+
+:func:`decide` makes the decision once per (buffer, structural settings) and keeps it in the buffer's
+:class:`~dml_optim.backends.base.BufferRuntime` (the one cache; ``decisions`` counts how many were
+made); :func:`plan_step` asks the chosen backend for a step's plan (falling back to the rule's backend
+where torch's kernel cannot take a step), :func:`run_plan` runs it; :func:`resolved_backend` reads the
+decision.  A scheduler's new ``lr`` is not a new decision: the structural settings exclude the float
+hyperparameters' values (their zeros excepted: an exact zero removes ops).
 
 * ``eager``: the DirectML-native op chain of :mod:`dml_optim.core.functional`
   (about ten element-wise ops per step over the flat buffer).  Always used on
@@ -35,18 +42,18 @@ whatever the size, so the threshold is lower.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
-import torch
-
 from dml_optim.backends import compiled as _compiled
+from dml_optim.backends import eager as _eager
 from dml_optim.backends import fused as _fused
+from dml_optim.backends.base import Decision, EagerPlan, Plan, StepRequest, runtime
+from dml_optim.backends.modes import counting_kernels, dispatch_mode_active, eager_only_now, is_compiling
 from dml_optim.core.options import BACKENDS
 
 __all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED", "AUTO_COMPILE_MIN_ELEMENTS_MASKED",
-           "AUTO_COMPILE_AFTER_EAGER_S", "AUTO_TIER_MIN_ELEMENTS", "resolve", "fuses", "tiers", "tier_due", "tiering_pending", "runner_for",
-           "masked_runner", "compiles", "resolved_backend", "resolved_backends"]
+           "AUTO_COMPILE_AFTER_EAGER_S", "AUTO_TIER_MIN_ELEMENTS", "BACKEND_OF", "resolve", "decide", "fuses", "tiers",
+           "tier_due", "tiering_pending", "compiles", "plan_step", "run_plan", "resolved_backend", "resolved_backends"]
 
 #: ``backend="auto"`` compiles a flat buffer from this many elements on.
 AUTO_COMPILE_MIN_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 20}
@@ -62,17 +69,18 @@ AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED = {"cpu": 1 << 16, "cuda": 1 << 16}
 #: and a long one spends at most about one compile's time on the slower path.
 AUTO_COMPILE_AFTER_EAGER_S = {"cpu": 5.0}
 AUTO_TIER_MIN_ELEMENTS = {"cpu": 1 << 14}
-#: ... and a masked update (parameters at several step counts, :func:`masked_runner`) from this many (CUDA, where
-#: its per-element gathers are cheap: not measured on a GPU yet; the CPU steps such buffers one run at a time,
-#: see ``optimizers.engine.MASKED_DEVICES``).
+#: ... and a masked update (parameters at several step counts) from this many (CUDA, where its per-element
+#: gathers are cheap: not measured on a GPU yet; the CPU steps such buffers one run at a time, see
+#: ``backends.eager.MASKED_DEVICES``).
 AUTO_COMPILE_MIN_ELEMENTS_MASKED = {"cuda": 1 << 16}
 
-_RUNNERS: "weakref.WeakKeyDictionary[Any, _compiled.KernelRunner]" = weakref.WeakKeyDictionary()
-#: Per buffer: (the settings token, dtype, device and bits it was decided for, why it cannot run fused or None).
-_FUSABLE: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+#: The backends by name (each implements :class:`~dml_optim.backends.base.Backend`).
+BACKEND_OF = {"eager": _eager.BACKEND, "compiled": _compiled.BACKEND, "fused": _fused.BACKEND}
 
 
 def _device_type(device) -> str:
+    import torch
+
     if isinstance(device, torch.device):
         return device.type
     if isinstance(device, str):
@@ -81,7 +89,7 @@ def _device_type(device) -> str:
 
 
 def resolve(backend: str, device, numel: int, quantized: bool = False, eager_s: float = 0.0) -> str:
-    """The backend (``"eager"`` or ``"compiled"``) that runs a flat buffer.
+    """The backend (``"eager"`` or ``"compiled"``) that runs a flat buffer's rule.
 
     ``backend`` is the optimizer's option, ``device`` the buffer's device (a
     ``torch.device`` or a string such as ``"privateuseone:0"``), ``numel``
@@ -107,30 +115,6 @@ def resolve(backend: str, device, numel: int, quantized: bool = False, eager_s: 
     return "compiled" if tier_due(device_type, numel, quantized, eager_s) else "eager"
 
 
-def fuses(opt, group: dict[str, Any], flat) -> bool:
-    """Whether ``flat`` runs torch's fused kernel (:mod:`dml_optim.backends.fused`) under ``group``'s settings:
-    ``backend`` is ``"fused"`` or ``"auto"`` and the buffer qualifies (``backend="fused"`` warns once where
-    it does not).  Not while dynamo traces the step, nor under a dispatch mode other than the op counter
-    (the audit records the op chain DirectML runs)."""
-    backend = group["backend"]
-    if backend != "auto" and backend != "fused":
-        return False
-    if _compiled._is_compiling() or (_compiled._dispatch_mode_active() and _compiled._counting_kernels() is None):
-        return False
-    token = (flat.settings, flat.dtype, flat.device, flat.bits)
-    cached = _FUSABLE.get(flat)
-    # (the settings token by identity, as everywhere: its values may be tensors, which == compares element-wise)
-    if cached is None or flat.settings is None or cached[0][0] is not token[0] or cached[0][1:] != token[1:]:
-        cached = (token, _fused.unsupported(opt, group, flat))
-        if flat.settings is not None:
-            _FUSABLE[flat] = cached
-    if cached[1] is not None:
-        if backend == "fused":
-            _fused.warn_fallback(opt, cached[1])
-        return False
-    return True
-
-
 def tiers(device_type: str, numel: int, quantized: bool) -> bool:
     """Whether ``auto`` counts the eager time of such a buffer, to compile it later (:func:`tier_due`)."""
     return not quantized and numel >= AUTO_TIER_MIN_ELEMENTS.get(device_type, 1 << 62)
@@ -141,74 +125,141 @@ def tier_due(device_type: str, numel: int, quantized: bool, eager_s: float) -> b
     return tiers(device_type, numel, quantized) and eager_s >= AUTO_COMPILE_AFTER_EAGER_S[device_type]
 
 
+def _token(opt, flat, rt) -> tuple:
+    """What a decision depends on besides the structural settings (compared by identity; the buffer's kind and
+    size are its own for life): the tiering clock's verdict and whether the optimizer fell back from compiling."""
+    return (rt.eager_s > 0 and tier_due(flat.device.type, flat.numel, flat.bits is not None, rt.eager_s),
+            _compiled.fell_back(opt) is None)
+
+
+def kernel_key(opt, group, flat):
+    """The compiled kernel key of ``flat`` (:func:`dml_optim.backends.compiled.kernel_key`), kept per structural
+    settings and allocated states."""
+    rt = runtime(flat)
+    made_for = (rt.structure, len(flat.states), flat.master is None, flat.kahan is None, flat.numel, flat.dtype)
+    kept = rt.key
+    if kept is None or rt.structure is None or kept[0][0] is not made_for[0] or kept[0][1:] != made_for[1:]:
+        kept = rt.key = (made_for, _compiled.kernel_key(opt, group, flat))
+    return kept[1]
+
+
+def decide(opt, group: dict[str, Any], flat) -> Decision:
+    """The decision for ``flat`` under ``group``'s settings: made once per (buffer, structural settings,
+    :func:`_token`) and kept (``BufferRuntime.decisions`` counts how many were made).  Static: a dynamo trace
+    or a dispatch mode (:func:`~dml_optim.backends.modes.eager_only_now`) runs the eager rule for one step
+    without changing it."""
+    rt = runtime(flat)
+    if rt.structure is None:  # (not stepped yet: the settings are not validated, nothing to keep it for)
+        return _decide(opt, group, flat, rt)
+    token = _token(opt, flat, rt)
+    decision = rt.decision
+    if decision is not None and rt.token[0] is rt.structure and rt.token[1] == token:
+        return decision
+    decision = _decide(opt, group, flat, rt)
+    rt.decision, rt.token = decision, (rt.structure, token)
+    rt.decisions += 1
+    return decision
+
+
+def _decide(opt, group, flat, rt) -> Decision:
+    backend = group["backend"]
+    if backend not in BACKENDS:  # (an invalid option: the next step refuses it)
+        return Decision("eager", "eager", False, f"backend={backend!r} is not a backend")
+    why_not_fused = None
+    if backend in ("auto", "fused"):
+        why_not_fused = _fused.BACKEND.supports(opt, group, flat)
+    else:
+        why_not_fused = f"backend={backend!r}"
+    rule, masked = "eager", False
+    if backend != "eager" and _compiled.fell_back(opt) is None:
+        quantized = flat.bits is not None
+        if resolve(backend, flat.device, flat.numel, quantized, rt.eager_s) == "compiled":
+            rule = "compiled"
+        device_type = flat.device.type
+        masked = (_compiled.compile_available(device_type)[0] and not (
+            backend in ("auto", "fused") and flat.numel < AUTO_COMPILE_MIN_ELEMENTS_MASKED.get(device_type, 1 << 62)))
+    plain = "fused" if why_not_fused is None else rule
+    return Decision(plain, rule, masked, why_not_fused)
+
+
+def fuses(opt, group: dict[str, Any], flat) -> bool:
+    """Whether ``flat`` runs torch's fused kernel (:mod:`dml_optim.backends.fused`) under ``group``'s settings now:
+    ``backend`` is ``"fused"`` or ``"auto"`` and the buffer qualifies (``backend="fused"`` warns once where
+    it does not).  Not while dynamo traces the step, nor under a dispatch mode other than the op counter
+    (the audit records the op chain DirectML runs)."""
+    backend = group["backend"]
+    if backend != "auto" and backend != "fused":
+        return False
+    return _fuses(opt, group, decide(opt, group, flat))
+
+
+def _fuses(opt, group, decision: Decision) -> bool:
+    """:func:`fuses`, the decision made."""
+    if decision.why_not_fused is not None:
+        if group["backend"] == "fused":
+            _fused.warn_fallback(opt, decision.why_not_fused)
+        return False
+    return not eager_only_now()
+
+
+def compiles(opt, group: dict[str, Any], flat) -> bool:
+    """Whether ``flat``'s rule runs compiled (its memory policy: no scratch)."""
+    return decide(opt, group, flat).rule == "compiled"
+
+
 def tiering_pending(opt) -> bool:
     """Some buffer of ``opt`` runs eagerly under ``auto`` now and will compile once it has run eagerly for
     :data:`AUTO_COMPILE_AFTER_EAGER_S` (a benchmark of the steady state steps it until this is False)."""
     return any(group["backend"] in ("auto", "fused") and tiers(flat.device.type, flat.numel, flat.bits is not None)
-               and not tier_due(flat.device.type, flat.numel, flat.bits is not None, flat.eager_s)
+               and not tier_due(flat.device.type, flat.numel, flat.bits is not None, runtime(flat).eager_s)
                and resolved_backend(opt, group, flat) == "eager" and _compiled.compile_available(flat.device.type)[0]
-               for gi, group in enumerate(opt.param_groups) for flat in opt._buffers_of(gi))
+               for group, flats in opt.buffers_by_group() for flat in flats)
 
 
-def runner_for(opt, group: dict[str, Any], flat) -> tuple[_compiled.KernelRunner | None, tuple | None]:
-    """``(runner, key)``: the compiled runner of ``opt`` for ``flat`` and the kernel key of this step,
-    or ``(None, None)`` when the buffer runs eager now.
-
-    An explicit ``backend="compiled"`` that cannot compile here warns once per
-    optimizer and runs eager.
-    """
+def _rule_plan(request: StepRequest, decision: Decision, last: Plan | None) -> EagerPlan:
+    """The plan of the rule's backend (compiled or eager) for ``request``."""
+    opt, group, flat = request.opt, request.group, request.flat
     backend = group["backend"]
-    if backend == "eager" or _compiled.fell_back(opt) is not None:
-        return None, None
-    if _compiled._is_compiling() or (_compiled._dispatch_mode_active() and not _compiled._counting_kernels()):
-        return None, None  # the eager rule, so a dispatch mode sees real ops (not a warning: meant to happen)
-    runner = _RUNNERS.get(opt)
-    if runner is None:
-        runner = _RUNNERS[opt] = _compiled.KernelRunner(opt)
-    if runner.resolved(group, flat) == "eager":
-        if backend == "compiled":
-            _compiled.fall_back(opt, flat.device, _compiled.compile_available(flat.device.type)[1])
-        return None, None
-    key = runner.key(group, flat)
-    reason = _compiled._BROKEN.get(key)
-    if reason is not None:  # another optimizer found this kernel broken: this one is told too, once
-        _compiled.fall_back(opt, flat.device, reason)
-        return None, None
-    return runner, key
+    key = None
+    if decision.rule == "compiled" and not eager_only_now():
+        key = kernel_key(opt, group, flat)
+        reason = _compiled._BROKEN.get(key)
+        if reason is not None:  # another optimizer found this kernel broken: this one is told too, once
+            _compiled.fall_back(opt, flat.device, reason)
+            key = None
+    elif backend == "compiled" and not eager_only_now() and _compiled.fell_back(opt) is None:
+        _compiled.fall_back(opt, flat.device, _compiled.compile_available(flat.device.type)[1])
+    masked = decision.masked and not eager_only_now() and _compiled.fell_back(opt) is None
+    if key is not None:
+        return _compiled.BACKEND.plan(request, last, key=key, masked=masked)
+    if masked and _eager.masks(group, flat, True) and request.finite is None:
+        return _compiled.BACKEND.plan(request, last, key=None, masked=True)
+    timed = backend in ("auto", "fused") and tiers(flat.device.type, flat.numel, flat.bits is not None)
+    return _eager.BACKEND.plan(request, last, compiled=decision.rule == "compiled", masked_kernel=False, timed=timed)
 
 
-def masked_runner(opt, group: dict[str, Any], flat) -> _compiled.KernelRunner | None:
-    """The compiled runner of ``opt`` for a masked update of ``flat`` (the engine's, for parameters at
-    several step counts), or None when it runs eagerly.
-
-    ``auto`` compiles it from :data:`AUTO_COMPILE_MIN_ELEMENTS_MASKED` elements on, below the
-    threshold of a buffer's plain step: the eager masked update is about twice the ops of the plain
-    rule (every varying scalar is a tensor), while one kernel reads the owner index and a table
-    of a few values per parameter beside the operands.
-    """
-    backend = group["backend"]
-    if backend == "eager" or _compiled.fell_back(opt) is not None:
-        return None
-    if _compiled._is_compiling() or (_compiled._dispatch_mode_active() and not _compiled._counting_kernels()):
-        return None
-    device_type = flat.device.type
-    available, why = _compiled.compile_available(device_type)
-    if not available:
-        if backend == "compiled":
-            _compiled.fall_back(opt, flat.device, why)
-        return None
-    if backend in ("auto", "fused") and flat.numel < AUTO_COMPILE_MIN_ELEMENTS_MASKED.get(device_type, 1 << 62):
-        return None
-    runner = _RUNNERS.get(opt)
-    if runner is None:
-        runner = _RUNNERS[opt] = _compiled.KernelRunner(opt)
-    return runner
+def plan_step(request: StepRequest, last: Plan | None = None) -> Plan:
+    """This step's plan for one buffer, by the decided backend (nothing written but gradients gathered where
+    torch's kernel declined a step it was to read in place): torch's fused kernel for an ungated step of a
+    buffer it runs, else the rule's backend (compiled or eager).  ``last``: the buffer's previous plan, when
+    the step repeats it."""
+    opt, group, flat = request.opt, request.group, request.flat
+    decision = decide(opt, group, flat)
+    if request.finite is None and _fuses(opt, group, decision):
+        plan = _fused.BACKEND.plan(request, last)
+        if plan is not None:
+            flat.scratch = []
+            return plan
+    if request.grads is not None and not request.copied:  # (a count the fused kernel cannot take: gathered)
+        foreign = [i for i, g in enumerate(request.grads) if g is not None and not flat.holds_grad(i, g)]
+        flat.gather_grads(foreign)
+        request = request._replace(grads=None)
+    return _rule_plan(request, decision, last)
 
 
-def compiles(opt, group: dict[str, Any], flat) -> bool:
-    """Whether ``flat`` is a compiled buffer (its memory policy: no scratch), cheaply."""
-    return (group["backend"] in ("auto", "compiled", "fused") and _compiled.fell_back(opt) is None
-            and resolve(group["backend"], flat.device, flat.numel, flat.bits is not None, flat.eager_s) == "compiled")
+def run_plan(plan: Plan) -> None:
+    """Run ``plan`` with the backend that made it."""
+    BACKEND_OF[plan.backend].run(plan)
 
 
 def resolved_backend(opt, group: dict[str, Any], flat) -> str:
@@ -218,15 +269,12 @@ def resolved_backend(opt, group: dict[str, Any], flat) -> str:
     kernel scalars leave the dtype's range) run the rule as :func:`resolve` decides, eager or compiled."""
     if group["backend"] in ("auto", "fused") and fuses(opt, group, flat):
         return "fused"
-    if group["backend"] not in BACKENDS or group["backend"] == "eager" or _compiled.fell_back(opt) is not None:
-        return "eager"
-    if resolve(group["backend"], flat.device, flat.numel, flat.bits is not None, flat.eager_s) == "eager":
-        return "eager"
-    runner = _RUNNERS.get(opt) or _compiled.KernelRunner(opt)
-    return "eager" if runner.key(group, flat) in _compiled._BROKEN else "compiled"
+    decision = decide(opt, group, flat)
+    if decision.rule == "compiled" and kernel_key(opt, group, flat) not in _compiled._BROKEN:
+        return "compiled"
+    return "eager"
 
 
 def resolved_backends(opt) -> list[list[str]]:
     """For each param group, the backend each of its flat buffers runs with now."""
-    return [[resolved_backend(opt, group, flat) for flat in opt._buffers_of(gi)]
-            for gi, group in enumerate(opt.param_groups)]
+    return [[resolved_backend(opt, group, flat) for flat in flats] for group, flats in opt.buffers_by_group()]

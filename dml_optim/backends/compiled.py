@@ -43,9 +43,6 @@ cache).
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
-import shutil
 import sys
 import types
 import warnings
@@ -53,21 +50,33 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils import _python_dispatch
 
+from dml_optim.backends import eager as _eager
+from dml_optim.backends.base import CompiledPlan, MaskedUpdate, StepRequest, runtime
+from dml_optim.backends.direct import _Capture, _Direct, _direct_eligible, _make_direct
+from dml_optim.backends.inductor import (_dynamo_counters, _denormals_flushed, _emulates_casts, _frames_compiled,
+                                         _has_option, _options, compile_available)
+from dml_optim.backends.modes import counting_kernels, dispatch_mode_active, is_compiling
+from dml_optim.core.dtypes import compute_dtype
 from dml_optim.core.quant import QuantizedState, warm_tables
-from dml_optim.core.update import coefficient_dtype, fused_step, masked_step
+from dml_optim.core.update import (KernelKey, MaskedKey, coefficient_dtype, fused_step, kernel_operands,
+                                   masked_step)
 
 __all__ = [
     "CompileFallbackWarning",
-    "KernelRunner",
+    "CompiledBackend",
+    "BACKEND",
     "compile_available",
     "kernel",
+    "kernel_key",
     "fall_back",
     "fell_back",
     "clear_cache",
     "cache_info",
 ]
+
+# (the names tests read here too: the modes, the direct call's class (_Direct), inductor's casts (_emulates_casts))
+_is_compiling, _dispatch_mode_active, _counting_kernels = is_compiling, dispatch_mode_active, counting_kernels
 
 
 class CompileFallbackWarning(RuntimeWarning):
@@ -82,94 +91,15 @@ _KERNELS: dict[tuple, Any] = {}
 _BROKEN: dict[tuple, str] = {}
 
 
-_IS_COMPILING = getattr(torch.compiler, "is_compiling", None) or getattr(torch._dynamo, "is_compiling", None)
-
-
-def _is_compiling() -> bool:
-    """True while dynamo traces the caller (e.g. a user's compiled training step)."""
-    return bool(_IS_COMPILING and _IS_COMPILING())
-
-
-def _dispatch_mode_active() -> bool:
-    """A ``TorchDispatchMode`` (op recorder, FLOP counter, FakeTensorMode, ...) is active.
-
-    Then the eager rule runs, so the mode sees real ops; a compiled call under
-    a mode would make dynamo skip the frame for good.  (``_get_current_dispatch_mode()`` is not None exactly
-    when the mode stack, infrastructure modes included, is not empty: asked directly, one C call.)
-    """
-    return _python_dispatch._len_torch_dispatch_stack() > 0
-
-
-def _counting_kernels():
-    """The active op recorder that counts compiled kernels (``OpRecorder(compiled=True)``), or None."""
-    if _python_dispatch._get_current_dispatch_mode() is None:
-        return None
-    from dml_optim.core.opcount import active_recorder
-
-    recorder = active_recorder()
-    return recorder if recorder is not None and recorder.compiled else None
-
-
-def _dynamo_supported() -> tuple[bool, str]:
-    try:
-        import torch._dynamo.eval_frame as eval_frame
-    except Exception as exc:  # pragma: no cover - broken installs
-        return False, f"torch._dynamo cannot be imported ({type(exc).__name__}: {exc})"
-    check = getattr(eval_frame, "check_if_dynamo_supported", None)
-    if check is None:  # pragma: no cover - future torch
-        return True, ""
-    try:
-        check()
-    except Exception as exc:
-        return False, f"torch.compile is not supported here ({exc})"
-    return True, ""
-
-
-def _cxx_compiler() -> str | None:
-    """The C++ compiler inductor would use on the CPU, or None."""
-    candidates = [os.environ.get("CXX")] if os.environ.get("CXX") else []
-    candidates += ["cl"] if sys.platform == "win32" else ["g++", "clang++", "c++"]
-    for name in candidates:
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def compile_available(device_type: str) -> tuple[bool, str]:
-    """``(available, reason)``: whether the compiled backend can run on ``device_type``.
-
-    Cheap static checks only (the device type, dynamo's support for this
-    Python, a C++ compiler for the CPU, triton for CUDA); a failure that only
-    shows when inductor runs is caught at the first call instead.
-    """
-    if device_type not in ("cpu", "cuda"):
-        return False, f"torch.compile is not used on '{device_type}' devices (the eager op chain is native there)"
-    ok, reason = _dynamo_supported()
-    if not ok:
-        return False, reason
-    if device_type == "cpu":
-        if sys.platform == "win32" and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 5):
-            return False, f"inductor does not support Windows CPUs in torch {torch.__version__}"
-        if _cxx_compiler() is None:
-            return False, "no C++ compiler found for inductor (set CXX or install g++/clang++; cl on Windows)"
-    if device_type == "cuda" and importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed (inductor needs it for CUDA kernels)"
-    return True, ""
-
-
-def _key_name(key: tuple) -> str:
-    if key[0] == "masked":
-        _, cls, fixed, names, cdtype, storage, device = key
-        parts = [cls.__name__, "masked", str(cdtype).replace("torch.", ""), device.replace(":", "")]
-        parts += [f"{k}_{v}" for k, v in fixed] + [str(d).replace("torch.", "") for d in storage]
+def _key_name(key: KernelKey | MaskedKey) -> str:
+    if isinstance(key, MaskedKey):
+        parts = [key.cls.__name__, "masked", str(key.table_dtype).replace("torch.", ""), key.device.replace(":", "")]
+        parts += [f"{k}_{v}" for k, v in key.fixed] + [str(d).replace("torch.", "") for d in key.storage]
         return "_".join(p.replace(".", "_").replace("-", "_") for p in parts)
-    cls, structure, names, cdtype, gated, has_out, has_comp, n_states, storage, device = key
-    parts = [cls.__name__, str(cdtype).replace("torch.", ""), device.replace(":", "")]
-    parts += [f"{k}_{v}" for k, v in structure]
-    parts += ["gated"] * gated + ["master"] * has_out + ["kahan"] * has_comp
-    parts += [s for s in storage if isinstance(s, str)]
+    parts = [key.cls.__name__, str(key.compute_dtype).replace("torch.", ""), key.device.replace(":", "")]
+    parts += [f"{k}_{v}" for k, v in key.structure]
+    parts += ["gated"] * key.gated + ["master"] * key.has_out + ["kahan"] * key.has_comp
+    parts += [s for s in key.storage if isinstance(s, str)]
     return "_".join(p.replace(".", "_").replace("-", "_") for p in parts)
 
 
@@ -182,28 +112,25 @@ def _fresh(fn, name: str):
     return types.FunctionType(code.replace(**replace), fn.__globals__, name, None, fn.__closure__)
 
 
-def kernel(key: tuple):
-    """The compiled callable of one kernel key (see :class:`KernelRunner` for the key's fields)."""
+def kernel(key: KernelKey | MaskedKey):
+    """The compiled callable of one kernel key."""
     fn = _KERNELS.get(key)
     if fn is None:
-        if key[0] == "masked":
-            _, cls, fixed, names, _, _, _ = key
-            fixed_dict = dict(fixed)
+        if isinstance(key, MaskedKey):
+            cls, names, fixed_dict = key.cls, key.names, dict(key.fixed)
 
             def step(*tensors):
                 masked_step(cls, fixed_dict, names, *tensors)
-        else:
-            cls, structure, names, cdtype, gated, has_out, has_comp, n_states, storage, _ = key
-            structure_dict = dict(structure)
-            formats = tuple(s if isinstance(s, str) else None for s in storage[2 : 2 + n_states])
-            has_valid = storage[-1] is True
+        else:  # (plain values in the closure: dynamo reads no NamedTuple property while it traces)
+            cls, structure_dict, names, cdtype = key.cls, dict(key.structure), key.names, key.compute_dtype
+            gated, has_out, has_comp, formats, has_valid = key.gated, key.has_out, key.has_comp, key.formats, key.has_valid
 
             def step(*tensors):
                 fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, formats, has_valid, *tensors)
 
         raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
-        options = _options(key[-1])
-        if key[0] == "masked" and _has_option("assert_indirect_indexing"):
+        options = _options(key.device)
+        if isinstance(key, MaskedKey) and _has_option("assert_indirect_indexing"):
             # the owner index is ours (built from the layout, in range by construction): no bounds check per element
             options = {**(options or {}), "assert_indirect_indexing": False}
         if _direct_eligible(key):  # (fn._dml_direct: how to call it without dynamo, after its first call)
@@ -215,166 +142,6 @@ def kernel(key: tuple):
         fn._dml_code = raw.__code__
         _KERNELS[key] = fn
     return fn
-
-
-# --------------------------------------------------------------------------
-# calling a kernel without its dynamo frame
-# --------------------------------------------------------------------------
-
-#: Call plain kernels without their dynamo frame once verified (:class:`_Direct`); False: always dynamo's call.
-DIRECT_CALLS = True
-
-
-def _direct_eligible(key: tuple) -> bool:
-    """Plain step kernels (1-d operands of one length, 0-d counters and hyperparameters) may be called
-    directly; masked and quantized ones (2-d operands, index tensors) always go through dynamo."""
-    if key[0] == "masked":
-        return False
-    storage = key[8]
-    return not any(isinstance(s, str) for s in storage) and storage[-1] is False
-
-
-class _Capture:
-    """A ``torch.compile`` backend that is inductor with ``options`` (what ``torch.compile(options=...)``
-    runs) and keeps each graph it compiled: the FX graph, its example inputs and inductor's callable."""
-
-    def __init__(self, options: dict | None):
-        self.options = dict(options or {})
-        self.graphs: list[tuple] = []
-
-    def __call__(self, gm, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        compiled = compile_fx(gm, example_inputs, config_patches=self.options)
-        self.graphs.append((gm, list(example_inputs), compiled))
-        return compiled
-
-
-class _Direct:
-    """Inductor's callable for one kernel key, called with the graph's inputs taken from the kernel's
-    arguments: no dynamo frame, no guard evaluation, no config patching (about 20 to 50 us a call on
-    a 2-core CPU, most of a small buffer's step).
-
-    Skipping the guards is sound only because the kernel key already fixes what they check: dtypes,
-    device, structure and the number of operands; every operand is a contiguous 1-d range of one
-    length (>= 2: dynamo specializes lengths 0 and 1) or a 0-d tensor, none aliasing another, and
-    steps run under ``no_grad``.  Inductor's own size and stride asserts stay on.  A plan is made only
-    from a kernel that compiled as one graph, and it is trusted only after a probe call gave
-    bit-identical results to dynamo's call (:func:`_make_direct`).
-    """
-
-    __slots__ = ("compiled", "plan")
-
-    def __init__(self, compiled, plan: tuple):
-        self.compiled = compiled
-        self.plan = plan
-
-    def __call__(self, args) -> None:
-        self.compiled(*[value if i is None else (args[i] if d is None else args[i].shape[d])
-                        for i, d, value in self.plan])
-
-
-def _plan(gm, example_inputs: list, args: list) -> tuple | None:
-    """For each graph input: ``(argument index, None, None)`` for a tensor, ``(index, dim, None)`` for a
-    length, ``(None, None, value)`` for an integer the kernel reads (a class constant, fixed per key);
-    None when an input cannot be placed."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(example_inputs):
-        return None
-    where = {id(a): i for i, a in enumerate(args)}
-    sizes = {}
-    for node, example in zip(placeholders, example_inputs):
-        fake = node.meta.get("example_value")
-        if isinstance(example, torch.Tensor) and id(example) in where and fake is not None:
-            for d, size in enumerate(fake.shape):
-                sizes.setdefault(str(size), (where[id(example)], d))
-    plan = []
-    for node, example in zip(placeholders, example_inputs):
-        if isinstance(example, torch.Tensor):
-            if id(example) not in where:
-                return None
-            plan.append((where[id(example)], None, None))
-        elif isinstance(example, (int, torch.SymInt)):
-            symbol = str(node.meta.get("example_value", example))
-            plan.append((*sizes[symbol], None) if symbol in sizes else (None, None, int(example)))
-        else:
-            return None
-    return tuple(plan)
-
-
-def _probe(t: torch.Tensor) -> torch.Tensor:
-    """A stand-in for one kernel operand: 0-d ones copied, 1-d ones 37 positive values (no NaN can
-    make a comparison fail, and the length is not a multiple of any vector width)."""
-    if t.dim() == 0:
-        return t.clone()
-    if t.dtype.is_floating_point:
-        return torch.rand(37, dtype=torch.float32, device=t.device).add_(0.5).to(t.dtype)
-    return torch.ones(37, dtype=t.dtype, device=t.device)
-
-
-def _make_direct(fn, args: list) -> "_Direct | None":
-    """After a kernel's first (compiling) call: a :class:`_Direct` for it, or None.  The direct call is
-    checked once against dynamo's on probe operands (:func:`_probe`): any difference, a second graph
-    or a recompile, and the key keeps dynamo's guarded call."""
-    capture = getattr(fn, "_dml_capture", None)
-    if (not DIRECT_CALLS or capture is None or len(capture.graphs) != 1 or any(a.dim() > 1 for a in args)
-            or args[0].shape[0] < 2):
-        return None
-    gm, example_inputs, compiled = capture.graphs[0]
-    plan = _plan(gm, example_inputs, args)
-    if plan is None:
-        return None
-    direct = _Direct(compiled, plan)
-    probe = [_probe(a) for a in args]
-    through_dynamo, called_directly = [p.clone() for p in probe], [p.clone() for p in probe]
-    fn(*through_dynamo)
-    direct(called_directly)
-    if len(capture.graphs) != 1 or not all(torch.equal(a, b) for a, b in zip(through_dynamo, called_directly)):
-        return None
-    return direct
-
-
-def _options(device: str) -> dict[str, bool] | None:
-    """Inductor options of a kernel for ``device`` (None: the defaults)."""
-    options = {}
-    # inductor keeps a fused kernel's intermediates in float32 and skips casts to float16/bfloat16
-    # unless told to emulate them; Kahan summation reads back the rounded parameters, and every
-    # low-precision store should round as the eager rule does
-    if _emulates_casts():
-        options["emulate_precision_casts"] = True
-    # A CPU kernel decides at compile time whether to run its loop on OpenMP threads, from the
-    # first call's length and torch.get_num_threads(); lengths are dynamic, so a kernel first
-    # compiled for a small buffer (or one thread, or found so in inductor's disk cache) would run
-    # every later buffer on one thread: resnet50's Momentum step took 27 ms instead of 18 on two
-    # cores.  With dynamic threads the loop is always parallel and OpenMP sizes it at run time.
-    if device.startswith("cpu") and _has_cpp_option("dynamic_threads"):
-        options["cpp.dynamic_threads"] = True
-    return options or None
-
-
-def _has_option(name: str) -> bool:
-    try:
-        import torch._inductor.config as config
-    except ImportError:  # pragma: no cover - builds without inductor
-        return False
-    return hasattr(config, name)
-
-
-def _has_cpp_option(name: str) -> bool:
-    try:
-        import torch._inductor.config as config
-    except ImportError:  # pragma: no cover - builds without inductor
-        return False
-    return hasattr(getattr(config, "cpp", None), name)
-
-
-def _emulates_casts() -> bool:
-    """Inductor can round intermediate low-precision casts (``emulate_precision_casts``, torch >= 2.5)."""
-    try:
-        import torch._inductor.config as config
-    except ImportError:  # pragma: no cover - builds without inductor
-        return False
-    return hasattr(config, "emulate_precision_casts")
 
 
 def clear_cache() -> None:
@@ -428,86 +195,67 @@ def _cache_entries(fn) -> int:
     return len(_debug_get_cache_entry_list(fn._dml_code))
 
 
-@functools.lru_cache(maxsize=None)
-def _dynamo_counters() -> dict:
-    from torch._dynamo.utils import counters
 
-    return counters  # (one object for the process; a reset clears it, it is not replaced)
+def kernel_key(opt, group, flat, gated: bool = False) -> KernelKey:
+    """The kernel key of ``flat`` under ``group``'s current hyperparameters and options (its states allocated)."""
+    cls = type(opt)
+    structure, names = [], []
+    for h in cls.spec.hyperparameters:
+        value = group[h.name]
+        if h.kind != "float" or (h.name in cls.zero_skips and value == 0):
+            structure.append((h.name, value))
+        else:
+            names.append(h.name)
+    x = flat.master if flat.master is not None else flat.data
+    states = [flat.states.get(n) for n in cls.group_state_names(group)]
+    # how each operand is stored: a dtype, or a quantized format's name; then whether padding is masked
+    storage = (x.dtype, flat.dtype) + tuple(s.format.name if isinstance(s, QuantizedState) else
+                                            (s.dtype if s is not None else None) for s in states)
+    storage += (flat.valid is not None,)
+    return KernelKey(cls, tuple(structure), tuple(names), compute_dtype(group, flat.dtype, flat.bits), gated,
+                     flat.master is not None, flat.kahan is not None, len(states), storage, str(flat.device))
 
 
-def _frames_compiled() -> int:
-    """Frames dynamo has compiled so far in this process (a new one: a compile or a recompile)."""
-    return _dynamo_counters()["frames"]["total"]
+class CompiledBackend:
+    """One ``torch.compile``'d kernel per class of parameters (or one masked kernel per buffer).
 
+    Its plans are :class:`~dml_optim.backends.base.CompiledPlan` s: the eager backend's class updates
+    (host scalars and range checks, for the calls that fall back) and the kernel key.  A call returns to
+    the eager rule when the kernel cannot run (``opt`` fell back, a dispatch mode, a dynamo trace).
+    Float hyperparameters live in 0-d tensors kept per buffer, refilled only when a value changes (a
+    scheduler's new ``lr`` costs one fill; constants cost nothing)."""
 
-def _denormals_flushed() -> bool:
-    """True when this thread flushes subnormal floats to zero (x86 FTZ/DAZ)."""
-    return sys.float_info.min * 0.5 == 0.0
+    name = "compiled"
 
+    def supports(self, opt, group, flat) -> str | None:
+        available, why = compile_available(flat.device.type)
+        return None if available else why
 
-class KernelRunner:
-    """Runs one class of a buffer through its compiled kernel; ``runner(group, flat, c, finite) -> bool``.
+    def plan(self, request: StepRequest, last=None, key: KernelKey | None = None, masked: bool = False) -> CompiledPlan:
+        """The eager plan of ``request`` (:func:`dml_optim.backends.eager.plan_updates`) with the kernel key."""
+        eager = _eager.BACKEND.plan(request, last, compiled=key is not None, masked_kernel=masked)
+        return CompiledPlan(request, updates=eager.updates, masked=eager.masked, chunk=eager.chunk,
+                            scratch=eager.scratch, timed=False, converts=eager.converts, key=key,
+                            masked_kernel=masked)
 
-    Returns False when the call must run eagerly instead (the caller does).
-    Float hyperparameters live in 0-d tensors owned by the runner, one set
-    per buffer, refilled only when a value changes (a scheduler's new ``lr``
-    costs one fill; constants cost nothing).
-    """
+    def run(self, plan: CompiledPlan) -> None:
+        request = plan.request
+        opt, group, flat = request.opt, request.group, request.flat
+        if plan.masked is not None:
+            if not (plan.masked_kernel and self.masked(opt, group, flat, plan.masked)):
+                _eager.apply_masked(request, plan.masked, plan.scratch)
+            _eager.forget_device_counts(flat)
+            return
+        for update in plan.updates:
+            if plan.key is None or not self.call(opt, group, flat, update.step_class, request.finite, plan.key):
+                _eager.apply_class(request, update, plan)
 
-    def __init__(self, opt):
-        self.opt_ref = weakref.ref(opt)
-        self._slots: "weakref.WeakKeyDictionary[Any, dict[str, list]]" = weakref.WeakKeyDictionary()
-        self._keys: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
-
-    def key(self, group, flat) -> tuple:
-        """The kernel key of ``flat`` under ``group``'s current hyperparameters and options.
-
-        Kept per buffer while the group's validated settings (``flat.settings``, a new object at every
-        change) and the buffer's states are the same: a steady step does not rebuild it.
-        """
-        return self._cached(group, flat)[0]
-
-    def resolved(self, group, flat) -> str:
-        """``backends.resolve`` for ``flat`` under ``group``'s backend option, kept like :meth:`key`."""
-        return self._cached(group, flat)[1]
-
-    def _cached(self, group, flat) -> tuple[tuple, str]:
-        cached = self._keys.get(flat)
-        from dml_optim.backends.choose import resolve, tier_due
-
-        due = tier_due(flat.device.type, flat.numel, flat.bits is not None, flat.eager_s)
-        allocated = (len(flat.states), flat.master is None, flat.kahan is None, flat.numel, due)
-        if cached is not None and cached[0] is flat.settings and flat.settings is not None and cached[1] == allocated:
-            return cached[2]
-        value = (self._key(group, flat),
-                 resolve(group["backend"], flat.device, flat.numel, flat.bits is not None, flat.eager_s))
-        self._keys[flat] = (flat.settings, allocated, value)
-        return value
-
-    def _key(self, group, flat) -> tuple:
-        opt = self.opt_ref()
-        cls = type(opt)
-        structure, names = [], []
-        for h in cls.spec.hyperparameters:
-            value = group[h.name]
-            if h.kind != "float" or (h.name in cls.zero_skips and value == 0):
-                structure.append((h.name, value))
-            else:
-                names.append(h.name)
-        cdtype = opt._compute_dtype(group, flat.dtype, flat.bits)
-        x = flat.master if flat.master is not None else flat.data
-        states = [flat.states.get(n) for n in cls.group_state_names(group)]
-        # how each operand is stored: a dtype, or a quantized format's name; then whether padding is masked
-        storage = (x.dtype, flat.dtype) + tuple(s.format.name if isinstance(s, QuantizedState) else
-                                                (s.dtype if s is not None else None) for s in states)
-        storage += (flat.valid is not None,)
-        return (cls, tuple(structure), tuple(names), cdtype, False, flat.master is not None, flat.kahan is not None,
-                len(states), storage, str(flat.device))
-
-    def _hyper(self, flat, names, group, dtype) -> list[torch.Tensor]:
-        slots = self._slots.get(flat)
+    @staticmethod
+    def _hyper(flat, names, group, dtype) -> list[torch.Tensor]:
+        rt = runtime(flat)
+        slots = rt.hyper
         if slots is None:
-            slots = self._slots[flat] = {}
+            slots = rt.hyper = {}
         out = []
         for name in names:
             value = float(group[name])
@@ -520,23 +268,21 @@ class KernelRunner:
             out.append(slot[1])
         return out
 
-    def __call__(self, group, flat, c, finite, key: tuple | None = None) -> bool:
-        """Run class ``c`` of ``flat``; ``key``: this step's :meth:`key` when the caller has it."""
-        opt = self.opt_ref()
-        counting = _counting_kernels()
-        if opt is None or opt in _FALLEN_BACK or _is_compiling() or (_dispatch_mode_active() and counting is None):
+    def call(self, opt, group, flat, c, finite, key: KernelKey | None = None) -> bool:
+        """Run class ``c`` of ``flat`` through its kernel (``key``: this step's, when the caller has it);
+        False when it must run eagerly instead (the caller does)."""
+        counting = counting_kernels()
+        if opt is None or opt in _FALLEN_BACK or is_compiling() or (dispatch_mode_active() and counting is None):
             return False
-        key = key if key is not None else self.key(group, flat)
-        if finite is not None:
-            key = key[:4] + (True,) + key[5:]
-        if key[6] and not _emulates_casts():
+        key = key if key is not None else kernel_key(opt, group, flat)
+        if finite is not None and not key.gated:
+            key = key._replace(gated=True)
+        if key.has_comp and not _emulates_casts():
             _BROKEN[key] = (f"Kahan summation needs inductor to round its float16/bfloat16 casts "
                             f"(emulate_precision_casts, torch >= 2.5; this is torch {torch.__version__})")
         if key in _BROKEN:
             fall_back(opt, flat.device, _BROKEN[key])
             return False
-        cls = key[0]
-        names = key[2]
         if c.tensor is None:
             flat.counter.ensure_tensors(flat.device)
         start, end = flat.segment(c.first, c.stop)
@@ -545,49 +291,48 @@ class KernelRunner:
             cut = lambda t: t[start:end].view(-1, flat.align) if isinstance(t, torch.Tensor) else t[start:end]  # noqa: E731
         else:
             cut = (lambda t: t) if whole else (lambda t: t[start:end])
-        x = flat.master if flat.master is not None else flat.data
-        args = [cut(x), cut(flat.grad)]
-        for n in cls.group_state_names(group):
+        states = []
+        for n in key.cls.group_state_names(group):
             state = cut(flat.states[n])
             if isinstance(state, QuantizedState):
-                warm_tables(state.format, key[3], flat.device)
+                warm_tables(state.format, key.compute_dtype, flat.device)
                 per_byte = 2 if state.format.bits == 4 else 1
-                args += [state.codes.view(-1, flat.align // per_byte), state.scales]
+                state = (state.codes.view(-1, flat.align // per_byte), state.scales)
+            states.append(state)
+        hyper = self._hyper(flat, key.names, group, coefficient_dtype(flat.device, key.compute_dtype))
+        x = flat.master if flat.master is not None else flat.data
+        values = {"x": cut(x), "g": cut(flat.grad), "T": c.tensor, "finite": finite,
+                  "params_out": cut(flat.data) if flat.master is not None else None,
+                  "comp": cut(flat.kahan) if flat.kahan is not None else None,
+                  "valid": flat.block_valid(start, end)}
+        for i, state in enumerate(states):
+            if isinstance(state, tuple):
+                values[f"state{i}.codes"], values[f"state{i}.scales"] = state
             else:
-                args.append(state)
-        if flat.master is not None:
-            args.append(cut(flat.data))
-        if flat.kahan is not None:
-            args.append(cut(flat.kahan))
-        if flat.valid is not None:
-            args.append(flat.block_valid(start, end))
-        args.append(c.tensor)
-        if finite is not None:
-            args.append(finite)
-        args += self._hyper(flat, names, group, coefficient_dtype(flat.device, key[3]))
-        return self._launch(opt, key, args, flat.device, counting)
+                values[f"state{i}"] = state
+        values.update((f"hyper.{n}", t) for n, t in zip(key.names, hyper))
+        return self._launch(opt, key, kernel_operands(key, values), flat.device, counting)
 
-    def masked(self, group, flat, plan: tuple) -> bool:
-        """Run one masked update of ``flat`` (``plan``: the engine's ``(fixed, names, table)``) as one
-        compiled kernel; False when it must run eagerly instead (the caller does)."""
-        opt = self.opt_ref()
-        counting = _counting_kernels()
-        if opt is None or opt in _FALLEN_BACK or _is_compiling() or (_dispatch_mode_active() and counting is None):
+    def masked(self, opt, group, flat, plan: MaskedUpdate) -> bool:
+        """Run one masked update of ``flat`` as one compiled kernel; False when it must run eagerly instead
+        (the caller does)."""
+        counting = counting_kernels()
+        if opt is None or opt in _FALLEN_BACK or is_compiling() or (dispatch_mode_active() and counting is None):
             return False
         fixed, names, table = plan
         if any(isinstance(v, torch.Tensor) for v in fixed.values()):
             return False  # (a tensor hyperparameter: not a kernel key; the eager update takes it)
         cls = type(opt)
         states = [flat.states[n] for n in cls.group_state_names(group)]
-        key = ("masked", cls, tuple(sorted(fixed.items())), tuple(names), table.dtype,
-               (flat.dtype,) + tuple(s.dtype for s in states), str(flat.device))
+        key = MaskedKey(cls, tuple(sorted(fixed.items())), tuple(names), table.dtype,
+                        (flat.dtype,) + tuple(s.dtype for s in states), str(flat.device))
         if key in _BROKEN:
             fall_back(opt, flat.device, _BROKEN[key])
             return False
         return self._launch(opt, key, [flat.data, flat.grad, *states, table, flat.owner()], flat.device, counting)
 
     @staticmethod
-    def _launch(opt, key: tuple, args: list, device, counting) -> bool:
+    def _launch(opt, key, args: list, device, counting) -> bool:
         """Call ``key``'s kernel on ``args``: a compile failure or dynamo's recompile limit makes ``opt``
         fall back, loudly and once (False: the caller runs eagerly); the caller's subnormal mode is kept."""
         fn = kernel(key)
@@ -618,9 +363,13 @@ class KernelRunner:
                             f"{_key_name(key)}; dynamo would run it uncompiled from now on")
             fall_back(opt, device, _BROKEN[key])
         elif not hasattr(fn, "_dml_direct") and hasattr(fn, "_dml_capture") and counting is None \
-                and not _dispatch_mode_active():  # (after the step: whatever happens here, it happened once)
+                and not dispatch_mode_active():  # (after the step: whatever happens here, it happened once)
             try:
                 fn._dml_direct = _make_direct(fn, args)
             except Exception:  # pragma: no cover - an unforeseen graph: dynamo's call stays
                 fn._dml_direct = None
         return True
+
+
+#: The compiled backend.
+BACKEND = CompiledBackend()

@@ -51,6 +51,8 @@ once, where it cannot run.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 import operator
 import warnings
@@ -60,11 +62,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dml_optim.core.flat import _FAST_ATTRIBUTES, _IS_CONTIGUOUS
+from dml_optim.backends.base import FusedPlan, KernelCall, StepRequest, runtime
+from dml_optim.core.bindings import _DATA_PTR, _IS_CONTIGUOUS
+from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, dtype_limit, state_dtype
+from dml_optim.core.grads import _FAST_ATTRIBUTES
 
-__all__ = ["FusedFallbackWarning", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS", "unsupported", "kernel_scalars",
-           "reads_in_place", "remember_read",
-           "plan", "run", "warn_fallback"]
+__all__ = ["FusedFallbackWarning", "FusedBackend", "BACKEND", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS",
+           "unsupported", "kernel_scalars", "reads_in_place", "copies_in", "copy_in", "remember_read", "kernel_calls", "warn_fallback"]
 
 
 class FusedFallbackWarning(RuntimeWarning):
@@ -82,12 +86,15 @@ KERNELS: dict[str, tuple[int, bool]] = {
 #: Step numbers (completed steps + 1) are handed to torch's kernels in float32 tensors: exact below 2**24.
 MAX_COUNT = (1 << 24) - 2
 #: Fresh gradients (tensors of their own) are read in place, parameter by parameter, when the parameters
-#: with a gradient average this many elements; smaller ones are gathered into the flat buffer first (one
-#: ``cat``), since a kernel call costs about 2 us per tensor (2 cores: 200 x 1,024 elements, AdamW: 390 us as
-#: 200 tensors, 130 us gathered and stepped as one).
+#: with a gradient average this many elements; smaller ones are copied into the flat buffer first (one
+#: foreach copy: :func:`copies_in`), since a kernel call costs about 2 us per tensor (2 cores: 200 x 1,024
+#: elements, AdamW: 390 us as 200 tensors, 130 us gathered and stepped as one).  (Now that a copy no longer
+#: re-points every ``p.grad``, the break-even may be lower, near what copying 2-4k elements costs: not
+#: measurable on a loaded VM, so the threshold stays.)
 LIST_MIN_ELEMENTS = 1 << 14
 _DTYPES = (torch.float32, torch.float64)
 _VERSION = operator.attrgetter("_version")
+_IS_NOT_NONE = functools.partial(operator.is_not, None)
 _WARNED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
 
@@ -125,7 +132,7 @@ def unsupported(opt, group: dict[str, Any], flat) -> str | None:
         return f"{flat.dtype} parameters (torch's kernel rounds them differently from the rule's ops; float32 and float64 only)"
     if flat.bits is not None or group["master_weights"] or group["kahan"]:
         return "quantized states, master weights and Kahan summation are the compiled and eager backends' precision modes"
-    if opt._state_dtype(group, flat.dtype) != flat.dtype or opt._compute_dtype(group, flat.dtype) != flat.dtype:
+    if state_dtype(group, flat.dtype) != flat.dtype or compute_dtype(group, flat.dtype) != flat.dtype:
         return "state_dtype or compute_dtype differs from the parameters' dtype"
     if group["capturable"]:
         return "capturable=True keeps the step counts on the device"
@@ -150,11 +157,11 @@ def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
     ``zero_grad(set_to_none=True)``) and the same read-only tensors handed over again are read in place."""
     if flat.staged:
         return False
-    index = [i for i, g in enumerate(grads) if g is not None and (active is None or active[i])]
+    index = _present(grads, active)
     if not index or sum(map(flat.sizes.__getitem__, index)) < LIST_MIN_ELEMENTS * len(index):
         return False
-    present = list(map(grads.__getitem__, index))
-    last = flat.fused.read if flat.fused is not None else None
+    present = grads if len(index) == len(grads) else list(map(grads.__getitem__, index))
+    last = runtime(flat).read
     if last:  # (an id reused by a fresh tensor reads as written-into at worst: gathered once, harmless)
         now = list(map(_VERSION, present))
         if list(map(last.get, map(id, present), now)) != now:  # (a tensor not read last step: its own version)
@@ -163,24 +170,73 @@ def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
         return all(map(_IS_CONTIGUOUS, present))
 
 
-def remember_read(flat) -> None:
-    """After a step: the gradients it read in place, their ids and versions, for :func:`reads_in_place`."""
-    if flat.fused is not None:
-        pending = flat.pending
-        if pending is None:
-            flat.fused.read = None
-            return
-        present = [g for g in pending if g is not None]
-        flat.fused.read = dict(zip(map(id, present), map(_VERSION, present)))
+def _present(grads: list, active: list[bool] | None) -> list[int] | range:
+    """The indices of the gradients present (and active): every one without a Python pass when none is None."""
+    if active is None and all(map(_IS_NOT_NONE, grads)):
+        return range(len(grads))
+    return [i for i, g in enumerate(grads) if g is not None and (active is None or active[i])]
+
+
+def copies_in(flat, grads: list, active: list[bool] | None) -> bool:
+    """Whether a fused step copies ``grads`` (each parameter's ``.grad``, or None; every present one a tensor of
+    its own, fresh after ``zero_grad(set_to_none=True)``) into the flat gradient buffer with one op
+    (:func:`copy_in`) and leaves ``p.grad`` the caller's, as torch.optim does: the gradients too small to be
+    read in place (:func:`reads_in_place`), none of them written into since the last step read them (an
+    accumulation buffer is gathered and adopted, its parameter then holding its view), none inside the
+    buffer's own gradient storage, in an unpadded layout, and not the first gradients the buffer meets (those
+    are gathered and adopted, ``p.grad`` becoming its view: a loop that keeps its gradients then steps with
+    no copy at all).  The slots of parameters without a gradient are not read (the plan steps the runs with
+    one)."""
+    if (flat.staged or flat.align != 1 or flat.grad is None or not hasattr(torch, "_foreach_copy_")
+            or flat.device.type not in ("cpu", "cuda")):
+        return False  # (the first gradients a buffer meets are gathered and adopted: they may be ones that stay)
+    index = _present(grads, active)
+    if not index:
+        return False
+    present = grads if len(index) == len(grads) else list(map(grads.__getitem__, index))
+    last = runtime(flat).read
+    if last:
+        now = list(map(_VERSION, present))
+        if list(map(last.get, map(id, present), now)) != now:
+            return False
+    storage = flat.grad.untyped_storage()
+    lo = storage.data_ptr()
+    with _FAST_ATTRIBUTES():
+        ptrs = sorted(map(_DATA_PTR, present))
+    first = bisect.bisect_left(ptrs, lo)  # (the first gradient at or after the buffer's start: inside it?)
+    return first == len(ptrs) or ptrs[first] >= lo + storage.nbytes()
+
+
+def copy_in(flat, grads: list) -> None:
+    """Copy the present ``grads`` into their slots of the flat gradient buffer (one foreach op)."""
+    flat.ensure_grad()
+    views = _cache(flat).grad_views(flat)
+    index = _present(grads, None)
+    if len(index) == len(grads):
+        torch._foreach_copy_(views, grads)
+    else:
+        pick = operator.itemgetter(*index) if len(index) > 1 else (lambda seq, i=index[0]: (seq[i],))
+        torch._foreach_copy_(list(pick(views)), list(pick(grads)))
+
+
+def remember_read(flat, grads: list | None) -> None:
+    """After a step: the gradients it read in place (``grads``, None: none), their ids and versions, for
+    :func:`reads_in_place`."""
+    rt = runtime(flat)
+    if grads is None:
+        rt.read = None
+        return
+    present = [g for g in grads if g is not None]
+    rt.read = dict(zip(map(id, present), map(_VERSION, present)))
 
 
 class _Cache:
     """Per buffer: the step numbers torch's kernels read (float32 0-d tensors, made 256 counts at a time and
     only read), the kernels' keywords per count, per-parameter views of the states and the argument lists of a
     whole-buffer call, kept while the layout and the state tensors stay the same; the range-checked blocks of
-    counts and the gradients the last step read in place."""
+    counts."""
 
-    __slots__ = ("offsets", "numbers", "kernels", "states", "whole_call", "checked", "read")
+    __slots__ = ("offsets", "numbers", "kernels", "states", "whole_call", "checked", "grads")
 
     def __init__(self, flat):
         self.offsets = flat.offsets
@@ -189,7 +245,7 @@ class _Cache:
         self.states: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.whole_call: tuple | None = None  # the call of a step of the whole buffer (:meth:`whole`)
         self.checked: tuple = (None, set())  # (settings token, blocks of counts whose scalars passed the range check)
-        self.read: dict | None = None  # the gradients the last step read in place: {id: version}
+        self.grads: tuple | None = None  # (the flat gradient buffer, its per-parameter views): :meth:`grad_views`
 
     def steps(self, counts: list[int]) -> list[torch.Tensor]:
         """The step numbers ``count + 1`` of ``counts`` as torch's kernels read them: float32 0-d tensors, views of
@@ -225,13 +281,14 @@ class _Cache:
             found = self.kernels[1][like] = (op, kwargs, (op, *kwargs.items()))
         return found
 
-    def whole(self, cls, group: dict[str, Any], flat, count: int) -> tuple:
+    def whole(self, cls, group: dict[str, Any], flat, count: int) -> KernelCall:
         """The kernel call over the whole buffer after ``count`` completed steps (the steady step): the keywords
-        of :meth:`kernel`, and the argument lists kept while the settings token, the kernel and the buffer's
-        tensors stay the same (identities: a few pointer comparisons a step), the step number put in place (a
-        view of :meth:`steps`' blocks)."""
-        settings = flat.settings
-        op, kwargs, _ = self.kernel(cls, group, settings, count)
+        of :meth:`kernel`, and the argument lists kept while the structural settings, the kernel and the
+        buffer's tensors stay the same (identities: a few pointer comparisons a step), the step number put in
+        place (a view of :meth:`steps`' blocks)."""
+        rt = runtime(flat)
+        op, kwargs, _ = self.kernel(cls, group, rt.settings, count)
+        settings = rt.structure
         kept = self.whole_call  # (settings, op, state names, data, grad, states, argument lists, whether steps follow)
         if (kept is None or kept[0] is not settings or kept[1] != op or kept[3] is not flat.data
                 or kept[4] is not flat.grad or not all(map(operator.is_, kept[5], map(flat.states.get, kept[2])))):
@@ -244,7 +301,14 @@ class _Cache:
         args = kept[6]
         if kept[7]:  # (SGD's kernel reads no step number)
             args[-1] = [self._block(count >> 8)[count & 255]]
-        return getattr(torch, op), args, kwargs  # (looked up at each call, as every call of this module does)
+        return KernelCall(getattr(torch, op), args, kwargs)  # (looked up at each call, as every call of this module does)
+
+    def grad_views(self, flat) -> list[torch.Tensor]:
+        """Per-parameter views of the flat gradient buffer (parameter shapes), kept while it stays."""
+        kept = self.grads
+        if kept is None or kept[0] is not flat.grad:
+            kept = self.grads = (flat.grad, flat.views(flat.grad))
+        return kept[1]
 
     def state_views(self, flat, name: str) -> list[torch.Tensor]:
         tensor = flat.states[name]
@@ -262,20 +326,22 @@ def _alike(cls, count: int) -> int:
 
 
 def _cache(flat) -> _Cache:
-    cache = flat.fused
+    rt = runtime(flat)
+    cache = rt.fused
     if cache is None or cache.offsets is not flat.offsets:
-        cache = flat.fused = _Cache(flat)
+        cache = rt.fused = _Cache(flat)
     return cache
 
 
-def plan(opt, group: dict[str, Any], flat, grads: list | None, members: list, counts: list[int | None]) -> list | None:
+def kernel_calls(opt, group: dict[str, Any], flat, grads: list | None, members: list,
+                 counts: list[int | None]) -> list | None:
     """The kernel calls of one step of ``flat``, or None when a count rules them out.
 
     ``grads``: per parameter, the gradient to read in place (None: no gradient), or None when the
     gradients are in the flat buffer.  ``members``: what steps, with ``counts``, the count of each: the
     parameters with a gradient (``grads`` given: :meth:`dml_optim.core.steps.StepCounter.active_params`) or the
     runs ``(first, stop)`` of them at one count (:meth:`~dml_optim.core.steps.StepCounter.active_runs`).
-    Nothing is written here: the result is ``(kernel, argument lists, keyword arguments)`` per call; the
+    Nothing is written here: the result is a :class:`~dml_optim.backends.base.KernelCall` per call; the
     step numbers are tensors made once per 256 counts (:meth:`_Cache.steps`), so running it writes
     nothing but the kernels' outputs.
     """
@@ -286,16 +352,17 @@ def plan(opt, group: dict[str, Any], flat, grads: list | None, members: list, co
     if grads is None and len(members) == 1 and members[0][1] - members[0][0] == len(flat.params):  # the steady step
         return [cache.whole(cls, group, flat, counts[0])]
     names = cls.group_state_names(group)
+    settings = runtime(flat).settings
     if counts.count(counts[0]) == len(counts):  # one count (a single class): one call, one step tensor
-        return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, flat.settings, counts[0]), members,
+        return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, settings, counts[0]), members,
                                                    cache.steps(counts[:1]) * len(members))])
     # the step tensor of each distinct count, and the call its count belongs to
     distinct = list(dict.fromkeys(counts))
     steps = dict(zip(distinct, cache.steps(distinct)))
     if _alike(cls, min(distinct)) == _alike(cls, max(distinct)):  # (the classes grow with the count) one call
-        return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, flat.settings, counts[0]), members,
+        return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, settings, counts[0]), members,
                                                    list(map(steps.__getitem__, counts)))])
-    kernels = {n: cache.kernel(cls, group, flat.settings, n) for n in distinct}
+    kernels = {n: cache.kernel(cls, group, settings, n) for n in distinct}
     calls: dict[tuple, tuple[tuple, list, list]] = {}  # per distinct call (equal keywords): (call, members, steps)
     for member, n in zip(members, counts):
         kernel = kernels[n]
@@ -326,14 +393,8 @@ def _calls(flat, grads: list | None, names: tuple[str, ...], cache: _Cache, call
             operands = [[t[a:b] for a, b in bounds] for t in [flat.data, flat.grad, *states]]
         n_states, has_steps = KERNELS[op]
         args = operands + [[] for _ in range(n_states - len(names))] + ([step_list] if has_steps else [])
-        out.append((getattr(torch, op), args, kwargs))
+        out.append(KernelCall(getattr(torch, op), args, kwargs))
     return out
-
-
-def run(planned: list) -> None:
-    """Run :func:`plan`'s calls."""
-    for fn, args, kwargs in planned:
-        fn(*args, **kwargs)
 
 
 def warn_fallback(opt, reason: str) -> None:
@@ -344,3 +405,103 @@ def warn_fallback(opt, reason: str) -> None:
     warnings.warn(f"dml_optim: {type(opt).__name__} cannot use the fused backend: {reason}; running what "
                   "backend='auto' chooses instead", FusedFallbackWarning, stacklevel=5)
 
+
+
+#: How many counts a range check covers at once (:meth:`FusedBackend._checked`).
+_AHEAD = 256
+
+
+class FusedBackend:
+    """torch's fused CPU kernels over the flat buffers (see the module docstring)."""
+
+    name = "fused"
+
+    def supports(self, opt, group, flat) -> str | None:
+        return unsupported(opt, group, flat)
+
+    def plan(self, request: StepRequest, last=None) -> FusedPlan | None:
+        """The kernel calls of this step (:func:`kernel_calls`), after the same step-limit and range checks as
+        the other backends (the rule's scalars, and torch's kernel's), or None when a count rules the kernel
+        out (the rule's backend runs the step)."""
+        opt, group, flat, _, grads = request[:5]
+        if request.copied:  # (copied into the flat buffer: the kernel reads it there)
+            grads = None
+        members, counts = flat.counter.active_params() if grads is not None else flat.counter.active_runs()
+        calls = kernel_calls(opt, group, flat, grads, members, counts)
+        if calls is None or not self._checked(opt, group, flat, counts):
+            return None
+        return FusedPlan(request, calls=calls)
+
+    def run(self, plan: FusedPlan) -> None:
+        for fn, args, kwargs in plan.calls:
+            fn(*args, **kwargs)
+
+    @staticmethod
+    def _checked(opt, group, flat, counts: list[int]) -> bool:
+        """Counts ``counts`` are within the step limit with scalars the compute dtype holds (raises) and torch's
+        kernel computes finite scalars for them (False: the rule runs as written).  Under settings met before,
+        whole blocks of :data:`_AHEAD` counts are checked at once and remembered; under settings new this step
+        (a scheduler's new ``lr``) this step's counts alone, with host floats: a few microseconds."""
+        rt = runtime(flat)
+        cache = rt.fused
+        checked = cache.checked  # (settings, {n // _AHEAD: the counts of that block passed under them} or None)
+        if checked[0] is not rt.settings:
+            cache.checked = (rt.settings, None)  # (met once: this step's counts alone)
+            return all(_count_fits(opt, group, flat, n, cache) for n in set(counts))
+        if checked[1] is None:
+            checked = cache.checked = (rt.settings, set())
+        blocks = checked[1]
+        if (counts[0] // _AHEAD in blocks if len(counts) == 1  # (the constants were checked with the settings)
+                else set(map(_AHEAD.__rfloordiv__, counts)) <= blocks):
+            return True
+        for n in sorted(set(counts)):
+            if n // _AHEAD not in blocks:
+                if _counts_in_range(opt, group, flat, n - n % _AHEAD, _AHEAD):  # (a block at once: 1 check in 256)
+                    if len(blocks) >= 64:
+                        blocks.clear()
+                    blocks.add(n // _AHEAD)
+                    continue
+                if not _count_fits(opt, group, flat, n, cache):  # (one of the block's counts is out of range)
+                    return False
+        return True
+
+
+def _count_fits(opt, group, flat, n: int, cache: _Cache) -> bool:
+    """Count ``n`` alone: the step limit and the rule's scalars (raises), torch's kernel's scalars (False)."""
+    cls = type(opt)
+    check_step_limit(cls, n)
+    check_range(group, flat, cls.coefficients(group, n + cls.step_offset))
+    op, kwargs, _ = cache.kernel(cls, group, runtime(flat).settings, n)
+    return kernel_scalars(op, kwargs, n + 1.0) <= dtype_limit(compute_dtype(group, flat.dtype, flat.bits)) * (1 - 1e-9)
+
+
+def _counts_in_range(opt, group, flat, first: int, n: int) -> bool:
+    """Counts ``first .. first + n - 1`` are within the step limit and give per-step scalars the compute
+    dtype holds: the rule's (its coefficients computed over a float64 tensor of the counts, a few ops for
+    all) and those torch's fused kernel computes (:func:`kernel_scalars`)."""
+    cls = type(opt)
+    if first + n > cls.max_step:
+        return False
+    limit = dtype_limit(compute_dtype(group, flat.dtype, flat.bits))
+    limit *= 1 - 1e-9  # (a margin for the tensor arithmetic's rounding; NaN fails every comparison)
+    with _disable_current_modes():  # (host arithmetic on CPU tensors, not the step's work: no recorder sees it)
+        counts = torch.arange(first, first + n, dtype=torch.float64, device="cpu")  # (not a default device set)
+        worst = [v.abs().max().item() if isinstance(v, torch.Tensor) else abs(v)
+                 for v in cls.coefficients(group, counts + cls.step_offset).values()]
+        # the kernel's keywords through the buffer's cache (_Cache.kernel): the Adams' differ per count, and the
+        # steps that follow find the ones of their counts computed here
+        kernel = _cache(flat).kernel
+        settings = runtime(flat).settings
+        if cls.fused_counts == "each":  # (its keywords differ per count: each with its own step number)
+            for like in range(first, first + n):
+                op, kwargs, _ = kernel(cls, group, settings, like)
+                worst.append(kernel_scalars(op, kwargs, like + 1.0))
+        else:
+            for like in dict.fromkeys((first, first + n - 1)):
+                op, kwargs, _ = kernel(cls, group, settings, like)
+                worst.append(kernel_scalars(op, kwargs, counts + 1))
+    return all(w <= limit for w in worst)
+
+
+#: The fused backend.
+BACKEND = FusedBackend()

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dml_optim.benchmark import construction, frozen, graphs, host, lowbit, memory, nonepattern, speed
+from dml_optim.benchmark import construction, frozen, graphs, host, loops, lowbit, memory, nonepattern, speed
 from dml_optim.benchmark.candidates import CANDIDATES, OPTIMIZERS
 from dml_optim.benchmark.common import error_text, free
 from dml_optim.benchmark.machine import describe, load_average
@@ -38,10 +38,11 @@ __all__ = ["ROWS", "SCHEMA", "default_rows", "unmeasurable", "not_measured", "se
            "new_document", "run_plan"]
 
 #: The rows, in the order a run measures them.
-ROWS = ("memory", "construction", "graph", "instances", "frozen", "host", "nonepattern", "lowbit", "speed")
+ROWS = ("memory", "construction", "graph", "instances", "frozen", "host", "nonepattern", "loops", "lowbit", "speed")
 #: Version of the result document's layout (``bench/README.md``).
 SCHEMA = 2
-_DEFAULT_ROWS = {"cpu": ("memory", "construction", "instances", "frozen", "host", "nonepattern", "lowbit", "speed"),
+_DEFAULT_ROWS = {"cpu": ("memory", "construction", "instances", "frozen", "host", "nonepattern", "loops", "lowbit",
+                         "speed"),
                  "cuda": ("memory", "construction", "graph", "instances", "frozen", "nonepattern", "lowbit", "speed")}
 
 
@@ -55,6 +56,9 @@ def unmeasurable(row: str, device: torch.device) -> str | None:
     """Why ``row`` cannot be measured on ``device`` (None: it can)."""
     if row == "graph" and device.type != "cuda":
         return f"CUDA only: a step captured in torch.cuda.graph and replayed; the device is {device.type}"
+    if row == "loops" and device.type != "cpu":
+        return (f"measured by a CPU run (torch's fused CPU step beside ours; DirectML's path as the eager backend's "
+                f"host time); the device is {device.type}")
     if row == "instances":
         from dml_optim.backends.compiled import compile_available
 
@@ -209,6 +213,13 @@ def _tasks(plan: Plan) -> list[Task]:
         for o in plan.optimizers:
             tasks.append(Task("host", f"host work: {o}, 2000x16 vs 1x32000 (cpu, 1 thread)", lambda doc, log, o=o:
                               doc["host_work"].append(host.measure_host_work(o, cpu_settings, log))))
+    if "loops" in plan.rows:
+        for model in loops.MODELS:
+            tasks.append(Task("loops", f"loops: AdamW on {model}, plain / LambdaLR / set_to_none + LambdaLR vs torch fused",
+                              lambda doc, log, m=model: doc["loops"].extend(loops.measure_loops(m, s, log, quick=quick))))
+        eager_s = {**s, "min_inner": 20, "max_inner": 5000}
+        tasks.append(Task("loops", "loops: DirectML's path (eager, host time per step) vs torch's for-loop AdamW",
+                          lambda doc, log: doc["loops_eager"].append(loops.measure_eager_loops(eager_s, log, quick=quick))))
     if "nonepattern" in plan.rows:
         name = nonepattern.workload(quick=quick).name
         for o in plan.optimizers:
@@ -251,7 +262,7 @@ def new_document(plan: Plan) -> dict[str, Any]:
         "candidates": list(CANDIDATES),
         "workloads": [w.describe() for w in works],
         "results": [], "references": [], "memory": [], "graphs": [], "instances": [], "host_work": [], "lowbit": [],
-        "nonepattern": [], "construction": [],
+        "nonepattern": [], "construction": [], "loops": [], "loops_eager": [],
         "errors": [], "skipped": [], "not_measured": plan.not_measured, "elapsed_s": 0.0, "targets": [],
     }
 

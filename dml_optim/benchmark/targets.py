@@ -55,7 +55,8 @@ _CUDA_COPY = (("adam", "momentum"), ("gpt2", "one-256m"), 0.9)
 _CPU_RESNET50 = (("adam", 1.1), ("adagrad", 1.0), ("momentum", 1.0))
 _TITLE = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "momentum": "Momentum"}
 #: The document's list that holds the record of each kind of measurement a target can name.
-RECORD_LISTS = {"speed": "references", "frozen": "references", "nonepattern": "nonepattern", "construction": "construction"}
+RECORD_LISTS = {"speed": "references", "frozen": "references", "nonepattern": "nonepattern", "construction": "construction",
+                "loops": "loops", "loops_eager": "loops_eager"}
 
 
 def speed_row(doc: dict[str, Any], optimizer: str, work: str, candidate: str) -> dict | None:
@@ -266,6 +267,9 @@ def check_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     _other_targets(t, device)
     _nonepattern_targets(t)
     _construction_targets(t)
+    from dml_optim.benchmark.loops import loop_targets
+
+    t.out += [{"dml_backend": None, "reason": None, "versus": None, **x} for x in loop_targets(t.doc)]
     return t.out
 
 

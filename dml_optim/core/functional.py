@@ -1,9 +1,9 @@
 """The update rules of ONNX ``Adagrad``/``Momentum``/``Adam``, DirectML's
 ``ADAM_OPTIMIZER`` and torch's ``AdamW``, written once.
 
-(One cohesive job, the math, which is why this module is longer than the
-others: its public out-of-place functions, their validation, the
-coefficients and the in-place kernels belong together.)
+Long by design: one cohesive job, the math; its public out-of-place
+functions, their validation, the coefficients and the in-place kernels
+belong together.
 
 Two layers, one piece of math:
 

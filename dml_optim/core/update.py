@@ -31,14 +31,71 @@ computed in FP32::
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
 from dml_optim.core.quant import QuantizedState, block_mask, format_named
 
 __all__ = ["step_scalars", "run_rule", "fused_step", "masked_scalars", "masked_step", "conversion_count",
-           "coefficient_dtype", "storage_dtype"]
+           "coefficient_dtype", "storage_dtype", "KernelKey", "MaskedKey", "operand_names", "kernel_operands"]
+
+
+class KernelKey(NamedTuple):
+    """What selects one compiled step kernel (:func:`fused_step`'s structure): equal keys, one graph.
+
+    ``storage``: how each operand is stored (``x``'s dtype, ``g``'s, then each state's dtype or quantized
+    format name, then whether padding is masked, ``valid``)."""
+
+    cls: Any
+    structure: tuple  # (name, value) of every structural hyperparameter (choices, flags, exact zeros)
+    names: tuple  # the float hyperparameters the kernel takes as 0-d tensors, in order
+    compute_dtype: torch.dtype
+    gated: bool
+    has_out: bool  # master weights: the rounded parameters are an output
+    has_comp: bool  # Kahan summation: the compensation buffer
+    n_states: int
+    storage: tuple
+    device: str
+
+    @property
+    def formats(self) -> tuple:
+        """Per state: None (one tensor) or its quantized format's name (codes and scales)."""
+        return tuple(s if isinstance(s, str) else None for s in self.storage[2 : 2 + self.n_states])
+
+    @property
+    def has_valid(self) -> bool:
+        return self.storage[-1] is True
+
+
+class MaskedKey(NamedTuple):
+    """What selects one compiled masked-update kernel (:func:`masked_step`)."""
+
+    cls: Any
+    fixed: tuple  # sorted (name, value) of the fixed scalars
+    names: tuple  # the scalars with a row in the table
+    table_dtype: torch.dtype
+    storage: tuple  # the parameters' dtype, then each state's
+    device: str
+
+
+def operand_names(formats: Sequence[str | None], has_out: bool, has_comp: bool, has_valid: bool, gated: bool,
+                  names: Sequence[str]) -> tuple[str, ...]:
+    """The positional operands of a compiled step kernel, named, in their one order (what
+    :func:`kernel_operands` packs and :func:`fused_step` unpacks): ``x, g``, each state (a quantized one:
+    its codes and scales), ``params_out`` (master weights), ``comp`` (Kahan), ``valid`` (padding), ``T``,
+    ``finite`` (gated), then each float hyperparameter of ``names`` (0-d tensors)."""
+    out = ["x", "g"]
+    for i, fmt in enumerate(formats):
+        out += [f"state{i}"] if fmt is None else [f"state{i}.codes", f"state{i}.scales"]
+    out += ["params_out"] * has_out + ["comp"] * has_comp + ["valid"] * has_valid + ["T"] + ["finite"] * gated
+    return tuple(out + [f"hyper.{n}" for n in names])
+
+
+def kernel_operands(key: KernelKey, values: Mapping[str, Any]) -> list:
+    """The operands of ``key``'s kernel from ``values`` (by :func:`operand_names`' names)."""
+    return [values[n] for n in operand_names(key.formats, key.has_out, key.has_comp, key.has_valid, key.gated,
+                                             key.names)]
 
 
 def storage_dtype(state) -> torch.dtype:
@@ -177,33 +234,29 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
         params_out.copy_(x)
 
 
-def fused_step(cls, structure: tuple, names: Sequence[str], compute_dtype: torch.dtype, gated: bool,
+def fused_step(cls, structure: Mapping[str, Any], names: Sequence[str], compute_dtype: torch.dtype, gated: bool,
                has_out: bool, has_comp: bool, formats: Sequence[str | None], has_valid: bool,
                *tensors: torch.Tensor) -> None:
-    """The whole step of one range as the compiled backend traces it (positional tensors only).
+    """The whole step of one range as the compiled backend traces it (positional tensors only: a
+    :class:`KernelKey`'s fields, then the tensors in :func:`operand_names`' order).
 
-    ``tensors``: ``x, g, *states, [params_out], [comp], [valid], T, [finite], *hyper``
-    where ``hyper`` are 0-d tensors named by ``names``.  ``formats`` says how
-    each state is stored: None (one tensor) or a quantized format's name (two
-    tensors: codes and scales; ``valid`` then gives the padding of an aligned
-    layout).  ``structure`` holds the class's structural hyperparameter values
-    (mode, flags, exact zeros), which reach the rule as Python values.  The
-    step counter ``T`` (completed steps) is advanced inside the graph, by 1 or
-    by ``finite``.
+    ``formats`` says how each state is stored: None (one tensor) or a quantized format's name (two
+    tensors: codes and scales; ``valid`` then gives the padding of an aligned layout).  ``structure``
+    holds the class's structural hyperparameter values (mode, flags, exact zeros), which reach the rule
+    as Python values.  The step counter ``T`` (completed steps) is advanced inside the graph, by 1 or by
+    ``finite``.
     """
-    it = iter(tensors)
-    x, g = next(it), next(it)
-    states = [next(it) if fmt is None else QuantizedState(next(it), next(it), format_named(fmt)) for fmt in formats]
-    params_out = next(it) if has_out else None
-    comp = next(it) if has_comp else None
-    valid = next(it) if has_valid else None
-    T = next(it)
-    finite = next(it) if gated else None
-    hyper = dict(zip(names, it))
+    given = dict(zip(operand_names(formats, has_out, has_comp, has_valid, gated, names), tensors))
+    states = [given[f"state{i}"] if fmt is None else
+              QuantizedState(given[f"state{i}.codes"], given[f"state{i}.scales"], format_named(fmt))
+              for i, fmt in enumerate(formats)]
+    x, g, T, finite = given["x"], given["g"], given["T"], given.get("finite")
+    hyper = {n: given[f"hyper.{n}"] for n in names}
     hyper.update(structure)
     scalars = step_scalars(cls, hyper, T, finite, coefficient_dtype(x.device, compute_dtype))
-    run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite, params_out=params_out,
-             comp=comp, fused=True, scratch=(None,) * cls.scratch_slots, valid=valid)
+    run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite,
+             params_out=given.get("params_out"), comp=given.get("comp"), fused=True,
+             scratch=(None,) * cls.scratch_slots, valid=given.get("valid"))
     T.add_(finite.to(T.dtype) if finite is not None else 1)
 
 

@@ -1,5 +1,7 @@
 """The DirectML descriptor model: the structs of ``directml.h`` as frozen dataclasses.
 
+Long by design: the two structs, their fields' rules and the binding table mirror ``directml.h`` in one place.
+
 This module mirrors two structs of ``directml.h``:
 
 * ``DML_BUFFER_TENSOR_DESC`` as :class:`TensorDesc` (``DataType, Flags,

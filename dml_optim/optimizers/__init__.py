@@ -1,6 +1,9 @@
 """The optimizers: one module per class; :mod:`~dml_optim.optimizers.registry` lists them.
 
-The base class (torch.optim's contract) lives in :mod:`~dml_optim.optimizers.base`.
+The base class (torch.optim's contract) lives in :mod:`~dml_optim.optimizers.base`, with its parts:
+:mod:`~dml_optim.optimizers.layout` (groups to buffers), :mod:`~dml_optim.optimizers.engine` (plan, commit,
+repeat through :mod:`dml_optim.backends`), :mod:`~dml_optim.optimizers.settings`,
+:mod:`~dml_optim.optimizers.states` and :mod:`~dml_optim.optimizers.introspect` (``BufferInfo``).
 
 May import: core, dml, backends.
 """

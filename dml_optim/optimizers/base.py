@@ -38,16 +38,16 @@ This class does the rest:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch.optim import Optimizer
 
-from dml_optim.backends.compiled import _is_compiling
+from dml_optim.backends.modes import is_compiling as _is_compiling
 from dml_optim.core.flat import describe_param
 from dml_optim.optimizers.contract import ContractMixin
 from dml_optim.optimizers.engine import EngineMixin
+from dml_optim.optimizers.introspect import BufferInfo, buffer_infos
 from dml_optim.optimizers.layout import GroupLayout, LayoutMixin
 from dml_optim.optimizers.spec import REQUIRED, OptimizerSpec, agree, sync_group
 from dml_optim.core.options import (
@@ -68,33 +68,6 @@ __all__ = ["FlatOptimizer", "BufferInfo"]
 #: What ``torch.no_grad()`` reads and sets (C functions), for the repeat of a steady step (:meth:`FlatOptimizer.step`).
 _GRAD_ENABLED = torch.is_grad_enabled
 _SET_GRAD_ENABLED = torch._C._set_grad_enabled
-
-
-@dataclass(frozen=True)
-class BufferInfo:
-    """A read-only description of one flat buffer (:meth:`FlatOptimizer.flat_buffers`).
-
-    The tensors are the optimizer's own flat tensors (views, not copies):
-    reading them is free, writing them changes the optimizer.  ``step_counts``
-    (completed steps per packed parameter, in buffer order, which is
-    ``param_indices``' order) reads the device counters when the counts live
-    there (a host sync).
-    """
-
-    group: int
-    device: torch.device
-    dtype: torch.dtype
-    param_indices: tuple[int, ...]
-    numel: int
-    data: torch.Tensor
-    grad: torch.Tensor | None
-    states: dict[str, torch.Tensor]
-    master: torch.Tensor | None
-    kahan: torch.Tensor | None
-    scratch: tuple[torch.Tensor, ...]
-    step_counts: tuple[int, ...]
-    step_classes: int
-    backend: str
 
 
 class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
@@ -370,11 +343,11 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
             self.step_scaled(torch.reciprocal(scale.float()) if scale is not None else None, found_inf=found_inf)
             return loss
         self._steady = None
-        work = self._prepare(in_place=True)
-        self._raise_if_nonfinite([flat for group, flat in work if group["nonfinite"] == "raise"])
-        finite = self._all_finite([flat for group, flat in work if group["nonfinite"] == "skip"])
-        planned = self._run(work, lambda group, flat: finite.to(flat.device) if group["nonfinite"] == "skip" else None)
-        self._steady = self._repeatable(work, planned)
+        requests = self._requests(in_place=True)
+        self._raise_if_nonfinite([r.flat for r in requests if r.group["nonfinite"] == "raise"])
+        finite = self._all_finite([r.flat for r in requests if r.group["nonfinite"] == "skip"])
+        planned = self._run(requests, lambda group, flat: finite.to(flat.device) if group["nonfinite"] == "skip" else None)
+        self._steady = self._repeatable(planned)
         return loss
 
     @torch.no_grad()
@@ -388,7 +361,8 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         ``found_inf`` is given (already known), it is used as is.
         """
         self._check_capture()
-        work = self._prepare()
+        requests = self._requests(False)
+        work = [(r.group, r.flat) for r in requests]
         if not work:
             device = (inv_scale if inv_scale is not None else found_inf).device
             return torch.zeros((), dtype=torch.float32, device=device)
@@ -399,7 +373,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
                 for _, flat in work:
                     flat.grad.mul_(inv_scale.to(flat.device))
             finite = found_inf == 0
-        self._run(work, lambda group, flat: finite.to(flat.device))
+        self._run(requests, lambda group, flat: finite.to(flat.device))
         return finite.logical_not().float()
 
     @torch.no_grad()
@@ -459,19 +433,8 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
     # -- introspection ------------------------------------------------------------------------------------
 
     def flat_buffers(self) -> list[BufferInfo]:
-        """One :class:`BufferInfo` per flat buffer, in group order."""
-        from dml_optim.backends.choose import resolved_backend
-
-        out = []
-        for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):
-            for flat in layout.buffers:
-                out.append(BufferInfo(
-                    group=gi, device=flat.device, dtype=flat.dtype, param_indices=tuple(flat.indices),
-                    numel=flat.numel, data=flat.data, grad=flat.grad, states=dict(flat.states), master=flat.master,
-                    kahan=flat.kahan, scratch=tuple(flat.scratch), step_counts=tuple(flat.counter.counts()),
-                    step_classes=len(flat.counter.classes), backend=resolved_backend(self, group, flat),
-                ))
-        return out
+        """One :class:`BufferInfo` per flat buffer, in group order (:mod:`~dml_optim.optimizers.introspect`)."""
+        return buffer_infos(self)
 
     def attach_grads(self) -> None:
         """Point every packed parameter's ``.grad`` at its view of the flat gradient buffer

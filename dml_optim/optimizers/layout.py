@@ -32,15 +32,21 @@ from typing import Any, Sequence
 
 import torch
 
+from dml_optim.backends.base import StepRequest, runtime
 from dml_optim.backends.choose import fuses
-from dml_optim.core.flat import (Binding, FlatBuffer, _runs, describe_param, group_key, local_tensor, param_piece,
-                             store_param_piece)
+from dml_optim.backends.eager import several_counts
+from dml_optim.backends.fused import copies_in, copy_in, reads_in_place
+from dml_optim.core.dtypes import PRECISION_OPTIONS, check_range, precision
+from dml_optim.core.flat import (Binding, FlatBuffer, describe_param, group_key, local_tensor, param_piece,
+                                 store_param_piece)
 from dml_optim.core.functional import check_like
-from dml_optim.backends.fused import reads_in_place
-from dml_optim.optimizers.spec import sync_group
+from dml_optim.core.grads import _runs
 from dml_optim.core.quant import BLOCK, MIN_ELEMENTS
+from dml_optim.optimizers.settings import changed_scalars, items, structure_of, unchanged
+from dml_optim.optimizers.spec import sync_group
+from dml_optim.optimizers.states import ensure_state
 
-__all__ = ["LayoutMixin", "GroupLayout"]
+__all__ = ["LayoutMixin", "GroupLayout", "unfrozen"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
@@ -60,34 +66,30 @@ class GroupLayout:
     buffers: list[FlatBuffer]
     frozen: list[int]  # indices (in the group's params) of parameters not packed (requires_grad=False)
     synced: dict  # torch-name snapshot (spec.sync_group)
-    checked: tuple | None = None  # the group's items when last validated: unchanged means valid
+    checked: tuple | None = None  # the group's items when last validated: unchanged means valid (the settings token)
+    structure: Any = None  # the structure token (dml_optim.optimizers.settings): a new object when the structure changed
+    shape: tuple | None = None  # the structural settings it stands for (settings.structure_of)
 
 
-def _items(group: dict) -> tuple:
-    """A group's settings as :func:`_unchanged` compares them: a shallow copy of the group (keys and values)
-    and the values' types, in order (True == 1.0: types count)."""
-    return dict(group), list(map(type, group.values()))
+# (the names other modules read here)
+_items, _unchanged = items, unchanged
 
 
-def _unchanged(group: dict, checked: tuple | None) -> bool:
-    """``group``'s settings are the ones recorded as ``checked`` (:func:`_items`): the same keys with equal
-    values of the same types.
-
-    Two C-level passes, the cheapest found (about 0.7 us for 21 settings, where three tuples of keys, values
-    and types cost 1.1): dict ``==`` tries ``is`` before ``__eq__``, so the unchanged ``params`` list (whose
-    contents are the layout's business) and unchanged values cost a pointer comparison each; then the
-    types.  The same settings in another key order may read as changed (validated again, harmlessly).
-    """
-    if checked is None:
+def unfrozen(group: dict[str, Any], layout: GroupLayout, checks: str) -> bool:
+    """Some unpacked parameter needs packing: it was unfrozen, or (``checks`` other than ``"fast"``) it has a
+    gradient although frozen (torch.optim steps every parameter with a gradient)."""
+    if not layout.frozen:
         return False
-    try:
-        return group == checked[0] and list(map(type, group.values())) == checked[1]
-    except (RuntimeError, TypeError):  # a tensor value compared element-wise: revalidate
-        return False
+    frozen = operator.itemgetter(*layout.frozen)(group["params"]) if len(layout.frozen) > 1 else (
+        group["params"][layout.frozen[0]],)
+    with _FAST_ATTRIBUTES():
+        if any(map(_REQUIRES_GRAD, frozen)):
+            return True
+        return checks != "fast" and not all(map(_IS_NONE, map(_GRAD, frozen)))
 
 
 @dataclass
-class _Plan:
+class _GroupPlan:
     """What one group's step will do (computed without writing anything)."""
 
     candidate: dict | None  # the validated settings to write back (None: unchanged since the last step)
@@ -127,14 +129,20 @@ class LayoutMixin:
                    for flat in layout.buffers)
 
     def _prepare(self, in_place: bool = False) -> list[tuple[dict, FlatBuffer]]:
+        """Validate every group, then bring bindings up to date and allocate states; ``(group, buffer)`` of
+        every buffer with at least one gradient (:meth:`_requests` without the gradients read in place)."""
+        return [(r.group, r.flat) for r in self._requests(False)]
+
+    def _requests(self, in_place: bool) -> list[StepRequest]:
         """Validate every group, then bring bindings up to date and allocate states.
 
-        Raises before any parameter or state is written.  Returns the buffers
-        that have at least one gradient.  ``in_place``: a plain step follows, so a buffer that runs torch's
-        fused kernel may read fresh gradients where they are (``flat.pending``) instead of gathering them.
+        Raises before any parameter or state is written.  Returns a request per buffer that has at least
+        one gradient.  ``in_place``: a plain step follows, so a buffer that runs torch's fused kernel may read
+        fresh gradients where they are (the request's ``grads``) instead of gathering them.
         """
         plans = [self._plan(gi, group) for gi, group in enumerate(self.param_groups)]
         work = []
+        cls = type(self)
         for gi, (group, plan) in enumerate(zip(self.param_groups, plans)):
             layout = self._layout[gi]
             self._settle(gi, plan.candidate, plan.synced)
@@ -144,34 +152,30 @@ class LayoutMixin:
             else:
                 bindings = plan.bindings
             for flat, binding in zip(layout.buffers, bindings):
-                flat.settings = layout.checked
-                active = self._bind(group, flat, binding, in_place)
+                rt = runtime(flat)
+                rt.settings, rt.structure = layout.checked, layout.structure
+                active, grads, copied = self._bind(group, flat, binding, in_place)
                 if binding is not None:  # (bindings changed: the state the binding checks recognize is recorded anew)
-                    flat.record_uses()
+                    flat.record_uses(grads is not None)
                 if active is not None and not any(active):
                     continue
-                self._ensure_state(group, flat)
-                work.append((group, flat))
+                ensure_state(cls, group, flat)
+                work.append(StepRequest(self, group, flat, None, grads, copied))
         return work
-
-    def _unfrozen(self, group: dict[str, Any], layout: GroupLayout) -> bool:
-        """Some unpacked parameter needs packing: it was unfrozen, or (``checks`` other than ``"fast"``) it has a
-        gradient although frozen (torch.optim steps every parameter with a gradient)."""
-        if not layout.frozen:
-            return False
-        frozen = operator.itemgetter(*layout.frozen)(group["params"]) if len(layout.frozen) > 1 else (
-            group["params"][layout.frozen[0]],)
-        with _FAST_ATTRIBUTES():
-            if any(map(_REQUIRES_GRAD, frozen)):
-                return True
-            return self.checks != "fast" and not all(map(_IS_NONE, map(_GRAD, frozen)))
 
     def _settings(self, gi: int, group: dict[str, Any]) -> tuple[dict | None, dict]:
         """``(candidate, synced)``: the group's settings synced with torch's names and validated,
         or ``(None, synced)`` when nothing changed since they were last validated.  Writes nothing."""
         layout = self._layout[gi]
-        if _unchanged(group, layout.checked):
+        if unchanged(group, layout.checked):
             return None, layout.synced
+        scalars = changed_scalars(type(self), group, layout.checked)
+        if scalars is not None:  # (a scheduler's lr: those values alone validated, the structure unchanged)
+            candidate = {k: v for k, v in group.items() if k != "params"}
+            candidate.update(scalars)
+            for flat in layout.buffers:
+                check_range(candidate, flat, scalars)
+            return candidate, layout.synced
         candidate = {k: v for k, v in group.items() if k != "params"}
         candidate["params"] = group["params"]
         synced = sync_group(type(self).spec, candidate, layout.synced, f"param_groups[{gi}]")
@@ -179,7 +183,7 @@ class LayoutMixin:
         del candidate["params"]
         floats = {h.name: candidate[h.name] for h in type(self).spec.hyperparameters if h.kind == "float"}
         for flat in layout.buffers:
-            self._check_range(candidate, flat, floats)
+            check_range(candidate, flat, floats)
         return candidate, synced
 
     def _settle(self, gi: int, candidate: dict | None, synced: dict) -> None:
@@ -187,9 +191,16 @@ class LayoutMixin:
         if candidate is None:
             return
         group, layout = self.param_groups[gi], self._layout[gi]
+        # (the snapshot itself: only scalars changed, validated alone by _settings)
+        scalars_only = layout.structure is not None and synced is layout.synced
         group.update(candidate)
         layout.synced = synced
-        layout.checked = _items(group)
+        layout.checked = items(group)
+        if scalars_only:  # (the structure token stays: decisions, kernel keys and argument lists are kept)
+            return
+        shape = structure_of(type(self), group)
+        if shape is None or layout.shape is None or shape != layout.shape:
+            layout.structure, layout.shape = object(), shape
 
     def _settle_all(self) -> None:
         """Sync every valid group's settings with torch's names now (``state_dict`` saves them
@@ -203,18 +214,17 @@ class LayoutMixin:
                 continue
             self._settle(gi, candidate, synced)
 
-    def _plan(self, gi: int, group: dict[str, Any]) -> _Plan:
+    def _plan(self, gi: int, group: dict[str, Any]) -> _GroupPlan:
         """Everything a group's step needs to know, without writing anything."""
         layout = self._layout[gi]
         candidate, synced = self._settings(gi, group)
         settings = group if candidate is None else candidate
-        repack = self._unfrozen(group, layout) or self._bits_changed(settings, layout)
+        repack = unfrozen(group, layout, self.checks) or self._bits_changed(settings, layout)
         bindings: list[Binding | None] = []
         for flat in layout.buffers:
-            if flat.precision is not None and flat.precision != self._precision(settings):
-                old, new = flat.precision, self._precision(settings)
-                names = ("state_dtype", "compute_dtype", "master_weights", "kahan", "state_bits")
-                changed = [f"{k} from {a} to {b}" for k, a, b in zip(names, old, new) if a != b]
+            if flat.precision is not None and flat.precision != precision(settings):
+                old, new = flat.precision, precision(settings)
+                changed = [f"{k} from {a} to {b}" for k, a, b in zip(PRECISION_OPTIONS, old, new) if a != b]
                 raise ValueError(f"param_groups[{gi}]: {', '.join(changed)} after the states were allocated is not "
                                  "supported; build a new optimizer with the new options and load_state_dict() into it")
             if flat.check(self.checks):
@@ -235,7 +245,7 @@ class LayoutMixin:
                     if p.grad is not None:
                         check_like(f"grad of {describe_param(p, i, gi)}", local_tensor(p.grad), "the parameter",
                                    local_tensor(p))
-        return _Plan(candidate, synced, bindings, repack)
+        return _GroupPlan(candidate, synced, bindings, repack)
 
     def _check_grad(self, flat: FlatBuffer, i: int, gi: int) -> None:
         p = flat.params[i]
@@ -263,7 +273,7 @@ class LayoutMixin:
         return t.dtype != flat.dtype or t.device != flat.device or not flat.owned
 
     def _bind(self, group: dict[str, Any], flat: FlatBuffer, binding: Binding | None,
-              in_place: bool = False) -> list[bool] | None:
+              in_place: bool = False) -> tuple[list[bool] | None, list | None, bool]:
         """Adopt re-bound parameters, order the step classes, gather foreign gradients.
 
         A buffer that runs torch's fused kernel, or whose parameters with a gradient are at several step
@@ -271,11 +281,12 @@ class LayoutMixin:
         gradients: it steps once per kernel over lists of runs, in one masked update, or once per run;
         otherwise parameters that step together are made contiguous first (a re-pack, when ``None``
         gradients left a class in pieces), so that the rule runs once per step count.  With ``in_place``
-        a fused buffer reads fresh gradients where they are (:func:`dml_optim.backends.fused.reads_in_place`:
-        ``flat.pending``) instead of gathering them.  Returns which parameters have a gradient (None:
-        all of them).
+        a fused buffer reads fresh gradients where they are (:func:`dml_optim.backends.fused.reads_in_place`)
+        instead of gathering them, or copies them in without adopting them
+        (:func:`~dml_optim.backends.fused.copies_in`).  Returns which parameters have a gradient (None: all of
+        them), the gradients read this step where the caller keeps them (None: the flat gradient buffer holds
+        its own), and whether those were copied into the flat buffer.
         """
-        flat.pending = None
         active = foreign = None
         if binding is not None:
             if binding.rebound:
@@ -288,13 +299,13 @@ class LayoutMixin:
             flat.stage_in()
         counter = flat.counter
         if active is not None and not any(active):
-            return active
+            return active, None, False
         fused = fuses(self, group, flat)
         if active is None and len(counter.classes) == 1:
             counter.split(None)
         else:
             counter.split(active)
-            keep = fused or group["nonfinite"] != "skip" and self._several_counts(group, flat)
+            keep = fused or group["nonfinite"] != "skip" and several_counts(group, flat)
             order = None if keep else counter.order()
             if order is not None and flat.owned:
                 flat.permute(order)
@@ -306,13 +317,17 @@ class LayoutMixin:
                         permuted[where[i]] = a
                     active = permuted
         plain = fused and in_place and group["nonfinite"] == "propagate"  # (torch's kernel, ungated, no checks)
-        if plain and foreign:
+        ungated = in_place and group["nonfinite"] == "propagate" and not group["capturable"]
+        if ungated and foreign:
             grads = list(map(_GRAD, flat.params))
-            if reads_in_place(flat, grads, active):
-                flat.pending = grads  # (read by this step's kernels; p.grad stays the caller's, as in torch.optim)
-                return active
+            if plain and reads_in_place(flat, grads, active):
+                return active, grads, False  # (read by this step's kernels; p.grad stays the caller's, as in torch.optim)
+            if ((plain or active is None) and len(foreign) == (len(grads) if active is None else sum(active))
+                    and copies_in(flat, grads, active)):
+                copy_in(flat, grads)  # (fresh tensors, as after set_to_none: copied, p.grad stays the caller's)
+                return active, grads, True
         if active is not None and foreign and len(foreign) == sum(active) and flat.gather_all(active):
-            return active  # (one op: every gradient gathered, every None slot zeroed)
+            return active, None, False  # (one op: every gradient gathered, every None slot zeroed)
         if foreign:
             flat.gather_grads(foreign)
         # slots of None gradients may hold an old gradient (inf included): clipping, masked updates and the
@@ -321,7 +336,7 @@ class LayoutMixin:
             for first, stop in _runs(counter.inactive()):
                 a, b = flat.segment(first, stop)
                 flat.ensure_grad()[a:b].zero_()
-        return active
+        return active, None, False
 
     def _repack_group(self, gi: int, include: set[int] = frozenset()) -> None:
         """Rebuild a group's buffers for its parameters' current devices, dtypes and trainability.
@@ -347,13 +362,13 @@ class LayoutMixin:
         layout.frozen = [i for i in range(len(group["params"])) if i not in set(members)]
         old = layout.buffers
         layout.buffers = self._pack(group, members)
-        spent = max((flat.eager_s for flat in old), default=0.0)
+        spent = max((runtime(flat).eager_s for flat in old), default=0.0)
         for flat in layout.buffers:  # (the group's eager time so far counts for backend="auto"'s tiering)
-            flat.eager_s = spent
+            runtime(flat).eager_s = spent
         for flat in layout.buffers:  # (the next step reads or gathers the gradients the parameters have)
             if not any(gi_ in carried for gi_ in flat.indices):
                 continue
-            self._ensure_state(group, flat)
+            ensure_state(type(self), group, flat)
             counts = []
             with torch.no_grad():
                 for i, gindex in enumerate(flat.indices):
@@ -369,7 +384,7 @@ class LayoutMixin:
     def _follow(self) -> None:
         """Re-pack groups whose parameters were moved, cast or unfrozen (``zero_grad``, ``state_dict``, loads)."""
         for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):
-            repack = self._unfrozen(group, layout)
+            repack = unfrozen(group, layout, self.checks)
             moved = [(flat, flat.rebound()) for flat in layout.buffers if flat.moved(self.checks)]
             for flat, rebound in moved:
                 for i in rebound:
@@ -388,6 +403,10 @@ class LayoutMixin:
 
     def _buffers_of(self, gi: int) -> list[FlatBuffer]:
         return self._layout[gi].buffers
+
+    def buffers_by_group(self) -> list[tuple[dict, list[FlatBuffer]]]:
+        """``(param group, its flat buffers)`` per group, in order."""
+        return [(group, layout.buffers) for group, layout in zip(self.param_groups, self._layout)]
 
     def _locate(self, p) -> tuple[int, FlatBuffer | None, int]:
         """``(group index, buffer or None, position)`` of parameter ``p`` (buffer None: frozen)."""

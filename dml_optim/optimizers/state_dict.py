@@ -1,5 +1,8 @@
 """Saving and loading the state dicts of a :class:`~dml_optim.optimizers.base.FlatOptimizer`.
 
+Long by design: one format, written and read side by side (a load checks everything a save wrote before
+it writes anything).
+
 :func:`save` writes torch.optim's layout (``state`` by parameter index, each
 entry views of the flat buffers; ``param_groups`` with our names and
 torch's) plus a ``dml_optim`` marker.  Parameters that are ``DTensor``s

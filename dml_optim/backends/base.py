@@ -1,0 +1,189 @@
+"""The one interface every backend implements, and the named types a step passes between them.
+
+A step of a flat optimizer asks, for each flat buffer with a gradient, one :class:`StepRequest`: the
+optimizer, its param group, the buffer, the device's gate (``finite``: a 0-d bool, or None for an
+ungated step) and the gradients to read where they are (torch's fused kernels only; None: the flat
+gradient buffer).  A backend (:class:`Backend`) answers three questions:
+
+* ``supports(opt, group, flat) -> None | reason``: whether it can run the buffer under these settings at
+  all (static: decided once per settings token, :mod:`~dml_optim.backends.choose`);
+* ``plan(request, last) -> Plan | None``: what this step will do, computed without writing anything
+  (host scalars, range checks, kernel calls); ``last`` is the buffer's previous plan when the step
+  repeats (nothing structural changed since: the same bindings, classes and settings token), for the
+  backend to reuse what it can; None: this step cannot run here (a count beyond the kernel's range),
+  the rule's backend takes it;
+* ``run(plan)``: only kernels.
+
+:mod:`~dml_optim.backends.choose` decides which backend runs a buffer, once per (buffer, structural
+settings): the one place, with the one cache (:class:`BufferRuntime`, per buffer).  Plans are named
+types: :class:`EagerPlan` (the rule as an op chain: DirectML's path; its chunk size and scratch pool are
+fields), :class:`CompiledPlan` (one ``torch.compile``'d kernel per class, keyed by
+:class:`~dml_optim.core.update.KernelKey`), :class:`FusedPlan` (torch's fused CPU kernels:
+:class:`KernelCall` s).
+
+Entry point for a step of part of a buffer (a range, when its gradients are complete): a
+:class:`StepRequest` whose buffer's step classes cover that range, planned and run through the same
+functions (:func:`dml_optim.backends.choose.plan_step`, :func:`~dml_optim.backends.choose.run_plan`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from dml_optim.core.steps import StepClass
+from dml_optim.core.update import KernelKey
+
+__all__ = ["Backend", "StepRequest", "ClassUpdate", "MaskedUpdate", "KernelCall", "Plan", "EagerPlan",
+           "CompiledPlan", "FusedPlan", "Decision", "BufferRuntime", "runtime"]
+
+
+class StepRequest(NamedTuple):
+    """One buffer's share of one step."""
+
+    opt: Any
+    group: dict
+    flat: Any  # dml_optim.core.flat.FlatBuffer
+    finite: torch.Tensor | None = None  # the device's gate (nonfinite="skip", loss scaling), None: ungated
+    grads: list | None = None  # per parameter, the gradient read where it is (fused), None: the flat buffer
+    copied: bool = False  # ``grads`` were copied into the flat buffer this step (fused: read there, remembered)
+
+
+class ClassUpdate(NamedTuple):
+    """The rule over one class of parameters at one step count (:class:`~dml_optim.core.steps.StepClass`)."""
+
+    step_class: StepClass
+    scalars: dict | None  # host scalars (the count known on the host, ungated), None: computed on the device
+
+
+class MaskedUpdate(NamedTuple):
+    """One update of a whole buffer whose parameters are at several counts
+    (:func:`dml_optim.core.update.masked_scalars`)."""
+
+    fixed: dict
+    names: list
+    table: torch.Tensor
+
+
+class KernelCall(NamedTuple):
+    """One call of a kernel: ``fn(*args, **kwargs)``."""
+
+    fn: Callable
+    args: list
+    kwargs: dict
+
+
+@dataclass
+class Plan:
+    """What one step of one buffer will do; ``backend`` names what runs it."""
+
+    backend: ClassVar[str] = ""
+    request: StepRequest = field(repr=False)
+
+    @property
+    def gated(self) -> bool:
+        return self.request.finite is not None
+
+
+@dataclass
+class EagerPlan(Plan):
+    """The eager rule (an op chain) over each active class, or one masked update of the whole buffer.
+
+    ``chunk``: elements per call when operands are converted (0: whole ranges); ``scratch``: the kept
+    scratch pool the rule and the conversions write into (the buffer's, allocated once and reused);
+    ``timed``: the step's wall time counts toward ``backend="auto"``'s compile tiering."""
+
+    backend: ClassVar[str] = "eager"
+    updates: tuple = ()
+    masked: MaskedUpdate | None = None
+    chunk: int = 0
+    scratch: tuple = ()
+    timed: bool = False
+    converts: bool = False  # operands are converted to the compute dtype (the rule then runs chunk by chunk)
+    compiled_buffer: bool = False  # the buffer's rule compiles (its memory policy: no scratch)
+
+
+@dataclass
+class CompiledPlan(EagerPlan):
+    """One compiled kernel per active class (``key``), or one masked kernel; a call the kernel declines
+    (a fallback) runs the eager rule of :class:`EagerPlan` instead."""
+
+    backend: ClassVar[str] = "compiled"
+    key: KernelKey | None = None  # None: only the masked update compiles
+    masked_kernel: bool = False  # the masked update runs as one compiled kernel
+
+
+@dataclass
+class FusedPlan(Plan):
+    """torch's fused kernels: the calls (one per distinct set of keywords)."""
+
+    backend: ClassVar[str] = "fused"
+    calls: tuple = ()
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What each backend module provides (:mod:`~dml_optim.backends.eager`, ``compiled``, ``fused``)."""
+
+    name: str
+
+    def supports(self, opt, group: dict, flat) -> str | None:
+        """None when this backend can run ``flat`` under ``group``'s settings, else why not."""
+
+    def plan(self, request: StepRequest, last: Plan | None = None) -> Plan | None:
+        """This step's plan (nothing written), or None when this step cannot run here."""
+
+    def run(self, plan: Plan) -> None:
+        """Run ``plan``: kernels only."""
+
+
+class Decision(NamedTuple):
+    """Which backend runs a buffer under one set of structural settings (:mod:`~dml_optim.backends.choose`).
+
+    ``plain``: what an ungated step runs (``"fused"``, ``"compiled"`` or ``"eager"``); ``rule``: what runs
+    the rule when torch's kernel cannot (a gated step, a count beyond its range): ``"compiled"`` or
+    ``"eager"``; ``masked``: a masked update (parameters at several counts) runs compiled; ``why_not_fused``:
+    the reason, or None.  (The compiled kernel's key depends on the states allocated: kept beside it,
+    ``BufferRuntime.key``.)"""
+
+    plain: str
+    rule: str
+    masked: bool
+    why_not_fused: str | None
+
+
+@dataclass
+class BufferRuntime:
+    """A buffer's backend state, kept beside it (never in it): the decision and its token, how many
+    decisions were made, the settings the buffer last stepped under, the tiering clock, each backend's
+    cache, and whether the last step repeated its plan."""
+
+    settings: Any = None  # the group's validated settings at the last bind (a token: compared by identity)
+    structure: Any = None  # the structural part of them (a token: equal while only scalars such as lr change)
+    decision: Decision | None = None
+    token: tuple | None = None  # what the decision was made for
+    key: tuple | None = None  # (what it was made for, the compiled kernel key)
+    decisions: int = 0  # how many decisions were made for this buffer
+    eager_s: float = 0.0  # wall time of its eager steps on the CPU under backend="auto" (the tiering clock)
+    fused: Any = None  # the fused backend's cache (dml_optim.backends.fused)
+    scalars: tuple | None = None  # (settings token, {count: host scalars}) of the last step's counts
+    hyper: dict | None = None  # the compiled backend's 0-d hyperparameter tensors: {name: [value, tensor]}
+    repeated: bool = False  # the last step repeated its plan (no layout work, no new decision)
+    read: dict | None = field(default=None)  # the gradients the last step read in place: {id: version}
+
+
+#: Each live buffer's runtime, by the buffer's id; an entry leaves with its buffer (a finalizer): a lookup is one
+#: dict access (a WeakKeyDictionary's made a weak reference per lookup, several times a step).
+_RUNTIMES: dict[int, BufferRuntime] = {}
+
+
+def runtime(flat) -> BufferRuntime:
+    """The :class:`BufferRuntime` of ``flat`` (made the first time)."""
+    rt = _RUNTIMES.get(id(flat))
+    if rt is None:
+        rt = _RUNTIMES[id(flat)] = BufferRuntime()
+        weakref.finalize(flat, _RUNTIMES.pop, id(flat), None)
+    return rt

@@ -1,0 +1,268 @@
+"""The ``eager`` backend: the rule as a chain of element-wise ops over the flat buffer (DirectML's path).
+
+Every op of :mod:`dml_optim.core.functional` is a native DirectML kernel, so this is what DirectML runs
+(and what the CPU and CUDA run for small buffers, gated steps and the compiled backend's fallbacks):
+
+* **plan** (:meth:`EagerBackend.plan`): for each class of parameters that step together
+  (:class:`~dml_optim.core.steps.StepClass`), the step limit is checked and, when the host knows the count
+  and the step is not gated, the rule's scalars are computed on the host as Python numbers (range-checked
+  against the compute dtype, kept per settings token and count): no device op, no sync.  Parameters at
+  several counts on :data:`MASKED_DEVICES` take one masked update instead (:func:`masked_plan`);
+* **scratch**: the rule's temporaries are preallocated once and kept (:func:`ensure_scratch`): full size,
+  or, when operands are converted (a wider compute dtype, Kahan summation, quantized states), one chunk
+  of :data:`~dml_optim.core.options.CHUNK_ELEMENTS` elements, the rule then running chunk by chunk.  A
+  plan names both (:attr:`EagerPlan.chunk`, :attr:`EagerPlan.scratch`);
+* **run** (:meth:`EagerBackend.run`): the rule per class (counts on the host, or on the device for gated
+  and ``capturable`` steps), or the masked update.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+
+import torch
+
+from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, StepRequest, runtime
+from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, converts
+from dml_optim.core.options import CHUNK_ELEMENTS
+from dml_optim.core.update import (coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule,
+                                   step_scalars, storage_dtype)
+
+__all__ = ["EagerBackend", "BACKEND", "MASKED_DEVICES", "several_counts", "masks", "ensure_scratch", "plan_updates",
+           "masked_plan", "apply_class", "apply_range", "apply_masked", "forget_device_counts"]
+
+#: Devices where parameters at several step counts take one masked update (:func:`masks`).
+#: Not the CPU: there one update per run of parameters at one count, in the buffer's order, is faster
+#: (2 cores, 40 x 16k parameters with changing None patterns, AdamW: per-element gathers made the masked
+#: kernel 5.7 ms a step; 4.2M elements at two counts: 3.5 ms masked, 1.7 ms as two eager updates).
+MASKED_DEVICES = ("privateuseone", "cuda")
+
+
+def several_counts(group, flat) -> bool:
+    """The parameters of ``flat`` with a gradient have two or more step counts, all known on the host,
+    and the buffer can step them in its order (not ``capturable``; operands in the compute dtype: no
+    chunks, no Kahan, no quantized states; its own storage): no re-pack for a new ``None`` pattern."""
+    if group["capturable"] or not flat.owned or flat.staged or converts(group, flat):
+        return False
+    active = {c.count for c in flat.counter.classes if c.active}
+    return len(active) >= 2 and None not in active
+
+
+def masks(group, flat, masked_kernel: bool) -> bool:
+    """Whether ``flat`` steps as one masked update (:func:`masked_plan`) rather than one update per
+    run of parameters at one count: on :data:`MASKED_DEVICES` (DirectML: O(1) ops whatever the
+    pattern; CUDA: one kernel instead of a launch per run), with several counts
+    (:func:`several_counts`) in three or more runs, or two when the masked update compiles
+    (``masked_kernel``)."""
+    if flat.device.type not in MASKED_DEVICES or not several_counts(group, flat):
+        return False
+    if sum(c.active for c in flat.counter.classes) >= 3:
+        return True
+    # two runs (e.g. the layers unfrozen last, and the others): two plain eager rules cost fewer
+    # passes over memory than one masked eager update; one compiled kernel beats two
+    return masked_kernel
+
+
+def ensure_scratch(opt, group, flat, gated: bool, compiled: bool) -> None:
+    """Scratch for the eager rule: full size, or one chunk when it converts; none for a compiled
+    buffer (the fused kernel needs none; an eager call on it, under a dispatch mode, allocates)."""
+    if compiled:
+        flat.scratch = []
+        return
+    convert = converts(group, flat)
+    size = min(flat.numel, CHUNK_ELEMENTS) if convert else flat.numel
+    cdtype = compute_dtype(group, flat.dtype, flat.bits)
+    count = type(opt).scratch_count(group, gated)
+    if convert:
+        x = flat.master if flat.master is not None else flat.data
+        count += conversion_count(x.dtype, flat.dtype, [storage_dtype(s) for s in flat.states.values()], cdtype,
+                                  group["kahan"])
+    if len(flat.scratch) == count and all(s.numel() == size for s in flat.scratch):
+        return
+    flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(count)]
+
+
+def _host_scalars(request: StepRequest, count: int) -> dict:
+    """The rule's host scalars after ``count`` completed steps, range-checked; kept per settings token
+    (a steady step finds its count's; a scheduler's new ``lr`` is a new token: computed again)."""
+    opt, group, flat = request.opt, request.group, request.flat
+    rt = runtime(flat)
+    cache = rt.scalars
+    if cache is None or cache[0] is not rt.settings or rt.settings is None:
+        cache = rt.scalars = (rt.settings, {})
+    known = cache[1]
+    scalars = known.get(count)
+    if scalars is None:
+        if len(known) >= 64:
+            known.clear()
+        scalars = step_scalars(type(opt), group, count, None)
+        check_range(group, flat, scalars)
+        known[count] = scalars
+    return scalars
+
+
+def plan_updates(request: StepRequest) -> tuple:
+    """One :class:`ClassUpdate` per active class: host scalars whenever the host knows the count and the
+    step is neither gated nor ``capturable`` (also a declined compiled call's fallback), step limits checked."""
+    opt, group, flat = request.opt, request.group, request.flat
+    cls = type(opt)
+    host = request.finite is None and not group["capturable"]
+    updates = []
+    for c in flat.counter.classes:
+        if not c.active:
+            continue
+        scalars = None
+        if c.count is not None:
+            check_step_limit(cls, c.count)
+            if host:
+                scalars = _host_scalars(request, c.count)
+        updates.append(ClassUpdate(c, scalars))
+    return tuple(updates)
+
+
+def masked_plan(request: StepRequest, compiled: bool) -> MaskedUpdate:
+    """One masked update of the buffer (range-checked, nothing written).
+
+    Parameters with a gradient at several step counts would take one update per count, and a
+    re-pack whenever ``None`` gradients leave a count's parameters in pieces.  Instead the buffer
+    steps once, in place and in its order (:func:`dml_optim.core.update.masked_step`): every scalar
+    that differs between parameters has one value per parameter (the host's, for the
+    parameter's count; the rule's no-op for a parameter without a gradient, whose gradient
+    slot is zero), gathered to the elements by their owners (:meth:`FlatBuffer.owner`).  The op
+    count does not depend on the pattern; the cost is the owner index (4 bytes per element,
+    kept) and one compute-dtype tensor per varying scalar while the step runs (eager).
+    """
+    opt, group, flat = request.opt, request.group, request.flat
+    classes = flat.counter.classes
+    by_count = {}
+    for c in classes:
+        if c.active and c.count not in by_count:
+            check_step_limit(type(opt), c.count)
+            by_count[c.count] = _host_scalars(request, c.count)
+    fixed, names, rows = masked_scalars(type(opt), group, by_count, [c.count if c.active else None for c in classes],
+                                        [c.stop - c.first for c in classes], fold=not compiled)
+    table = torch.tensor(rows, dtype=compute_dtype(group, flat.dtype, flat.bits), device=flat.device)
+    return MaskedUpdate(fixed, names, table.view(len(names), len(flat)))
+
+
+class EagerBackend:
+    """The eager rule: runs every buffer (see the module docstring)."""
+
+    name = "eager"
+
+    def supports(self, opt, group, flat) -> str | None:
+        return None
+
+    def plan(self, request: StepRequest, last=None, *, compiled: bool = False, masked_kernel: bool = False,
+             timed: bool = False) -> EagerPlan:
+        """This step's updates (nothing written but the scratch allocated the first time).  ``compiled``:
+        the buffer's rule compiles (no scratch: its kernel needs none; an eager call on it, under a dispatch
+        mode, allocates); ``masked_kernel``: a masked update would compile; ``timed``: the step's wall time
+        counts toward ``auto``'s tiering.  ``last``: a repeat's previous plan, whose scratch, chunking and
+        conversions it keeps (only the host scalars are new; they are kept per settings token and count)."""
+        group, flat = request.group, request.flat
+        finite = request.finite
+        if (last is not None and isinstance(last, EagerPlan) and last.masked is None and finite is None
+                and last.request.finite is None and last.compiled_buffer == compiled
+                and len(last.scratch) == len(flat.scratch) and all(map(operator.is_, last.scratch, flat.scratch))):
+            # (a repeat: the same buffer, structure, classes and scratch; only the host scalars are new)
+            return EagerPlan(request, updates=plan_updates(request), chunk=last.chunk, scratch=last.scratch,
+                             timed=timed, converts=last.converts, compiled_buffer=compiled)
+        if finite is None and len(flat.counter.classes) > 1 and masks(group, flat, masked_kernel):
+            ensure_scratch(request.opt, group, flat, True, compiled or masked_kernel)
+            return EagerPlan(request, masked=masked_plan(request, masked_kernel),
+                             scratch=tuple(flat.scratch))
+        ensure_scratch(request.opt, group, flat, finite is not None, compiled)
+        convert = converts(group, flat)
+        chunk = flat.scratch[0].numel() if flat.scratch and convert else 0
+        return EagerPlan(request, updates=plan_updates(request), chunk=chunk, scratch=tuple(flat.scratch),
+                         timed=timed, converts=convert, compiled_buffer=compiled)
+
+    def run(self, plan: EagerPlan) -> None:
+        request = plan.request
+        if plan.masked is not None:
+            apply_masked(request, plan.masked, plan.scratch)
+            forget_device_counts(request.flat)
+            return
+        start = time.perf_counter() if plan.timed else 0.0
+        for update in plan.updates:
+            apply_class(request, update, plan)
+        if plan.timed:  # (CPU ops are synchronous: this is the step's own time)
+            runtime(request.flat).eager_s += time.perf_counter() - start
+
+
+#: The eager backend.
+BACKEND = EagerBackend()
+
+
+def forget_device_counts(flat) -> None:
+    """After a masked update: the host counts advance; a stale device mirror is dropped."""
+    for k in flat.counter.classes:
+        if k.active:
+            k.tensor = None
+
+
+def apply_masked(request: StepRequest, masked: MaskedUpdate, scratch) -> None:
+    """One masked update over the whole buffer (:func:`masked_plan`), eager."""
+    cls = type(request.opt)
+    flat = request.flat
+    fixed, names, table = masked
+    n = len(scratch) if scratch and scratch[0].numel() >= flat.numel else 0
+    masked_step(cls, fixed, names, flat.data, flat.grad, *[flat.states[k] for k in cls.group_state_names(request.group)],
+                table, flat.owner(), scratch=list(scratch[:n]) + [None] * (cls.scratch_slots - n))
+
+
+def apply_class(request: StepRequest, update: ClassUpdate, plan: EagerPlan) -> None:
+    """The eager rule over one class, with counts on the host (``update.scalars``) or on the device."""
+    opt, group, flat, finite = request[:4]
+    cls = type(opt)
+    c, scalars = update
+    if scalars is None:  # counts on the device: the scalars are computed there
+        if c.tensor is None:
+            flat.counter.ensure_tensors(flat.device)
+        scalars = step_scalars(cls, group, c.tensor, finite, coefficient_dtype(flat.device))
+    start, end = flat.segment(c.first, c.stop)
+    apply_range(request, start, end, scalars, plan.scratch, plan.converts)
+    if c.tensor is not None:
+        if c.count is not None and finite is None and not group["capturable"]:
+            c.tensor = None  # the host count advances; a stale device mirror is dropped
+        else:
+            c.tensor.add_(finite.long() if finite is not None else 1)
+
+
+def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, convert: bool | None = None) -> None:
+    """The rule over elements ``[start, end)`` of the buffer, chunked when operands are converted (``convert``:
+    :func:`~dml_optim.core.dtypes.converts`, when the caller knows it)."""
+    opt, group, flat, finite = request[:4]
+    cls = type(opt)
+    names = cls.group_state_names(group)
+    x = flat.master if flat.master is not None else flat.data
+    out = flat.data if flat.master is not None else None
+    cdtype = compute_dtype(group, flat.dtype, flat.bits)
+    n_rule = cls.scratch_count(group, finite is not None)
+    rule_scratch, conversions = scratch[:n_rule], scratch[n_rule:]
+    scratch_full = bool(scratch) and scratch[0].numel() >= flat.numel
+    if not (converts(group, flat) if convert is None else convert):
+        pad = [None] * (cls.scratch_slots - (len(rule_scratch) if scratch_full else 0))
+        if start == 0 and end == flat.numel:  # the common case: the whole buffer, no view op
+            rule = list(rule_scratch) if scratch_full else []
+            if finite is None:
+                cls.rule(x, flat.grad, *[flat.states[n] for n in names], scratch=rule + pad, **scalars)
+            else:
+                run_rule(cls, x, flat.grad, [flat.states[n] for n in names], scalars, compute_dtype=cdtype,
+                         finite=finite, scratch=rule + pad)
+            return
+        part = ([s[start:end] for s in rule_scratch] if scratch_full else []) + pad
+        run_rule(cls, x[start:end], flat.grad[start:end], [flat.states[n][start:end] for n in names], scalars,
+                 compute_dtype=cdtype, finite=finite, scratch=part)
+        return
+    chunk = scratch[0].numel() if scratch and scratch[0].numel() else CHUNK_ELEMENTS
+    for a in range(start, end, chunk):
+        b = min(a + chunk, end)
+        k = b - a
+        run_rule(cls, x[a:b], flat.grad[a:b], [flat.states[n][a:b] for n in names], scalars,
+                 compute_dtype=cdtype, finite=finite, params_out=out[a:b] if out is not None else None,
+                 comp=flat.kahan[a:b] if flat.kahan is not None else None, valid=flat.block_valid(a, b),
+                 buffers=[t[:k] for t in conversions] if conversions else None,
+                 scratch=[s[:k] for s in rule_scratch] + [None] * (cls.scratch_slots - len(rule_scratch)))

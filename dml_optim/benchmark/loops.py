@@ -1,0 +1,234 @@
+"""The loops people run: a training loop's optimizer work, beside torch.optim's fused step, and DirectML's path.
+
+**CPU rows** (``loops``): AdamW over three models, each in three loops, ``dml_optim`` (the default backend)
+beside ``torch.optim.AdamW(fused=True)``, each candidate on its own copy of the parameters, timed
+round-robin (:func:`~dml_optim.benchmark.timing.round_robin`), one thread.  An iteration is what a training
+loop does around ``backward()``, with the backward's gradients simulated identically for both (one
+``torch._foreach`` op):
+
+* ``plain``: ``zero_grad()`` (``set_to_none=False``: dml_optim's default; gradients accumulate in place),
+  the gradients added, ``step()``; constant lr;
+* ``lambdalr``: the same, and ``LambdaLR`` changing lr every step (warm-up and cosine schedules do);
+* ``none+lambdalr``: ``zero_grad(set_to_none=True)`` (accelerate, transformers' Trainer), fresh gradient
+  tensors every step, ``LambdaLR``.
+
+Models: ``gpt`` (the 30 tensors of a two-layer byte-level GPT, 0.46M parameters), ``many-small`` (1,000
+tensors of 256 elements), ``few-large`` (4 tensors of 256k elements).  A record per (model, loop):
+each candidate's ``ms_per_step`` (median), ``round_ms`` (each round's sample) and the target's value
+``ratio_fused_to_ours`` (torch fused's time over ours, round by round: :func:`~dml_optim.benchmark.timing.paired_ratio`)
+with its quartiles (``spread``); the target: at least :data:`VS_FUSED_LIMIT`.
+
+**DirectML's path** (``loops_eager``): ``backend="eager"`` on the CPU, tensors of 16 elements (the
+arithmetic is negligible: this is host time per step, what DirectML's dispatch pays on top of its kernels),
+AdamW: a steady step of one tensor beside ``torch.optim.AdamW(foreach=False)``'s (its for-loop step) on one
+tensor (at most :data:`EAGER_VS_FORLOOP_LIMIT`), a step whose lr changed beside a steady one (at most
+:data:`EAGER_LR_CHANGE_LIMIT`), 2,000 tensors beside one (at most :data:`EAGER_MANY_LIMIT`, default checks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from dml_optim.benchmark.timing import paired_ratio, round_robin, wall_seconds
+
+__all__ = ["MODELS", "LOOPS", "VS_FUSED_LIMIT", "EAGER_VS_FORLOOP_LIMIT", "EAGER_LR_CHANGE_LIMIT", "EAGER_MANY_LIMIT",
+           "model_shapes", "measure_loops", "measure_eager_loops", "loop_targets"]
+
+#: torch fused's iteration time over dml_optim's, at least (every CPU loop row).
+VS_FUSED_LIMIT = 1.0
+#: DirectML's path: a steady eager step of one tensor over torch.optim's for-loop AdamW step, at most.
+EAGER_VS_FORLOOP_LIMIT = 1.2
+#: ... a step whose lr changed over a steady one, at most.
+EAGER_LR_CHANGE_LIMIT = 1.2
+#: ... 2,000 tensors over one, at most (default checks).
+EAGER_MANY_LIMIT = 3.0
+
+LOOPS = ("plain", "lambdalr", "none+lambdalr")
+
+
+def _gpt_shapes(vocab: int = 256, d: int = 128, context: int = 128, layers: int = 2) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = [(vocab, d), (context, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return shapes + [(d,), (d,), (vocab, d), (vocab,)]
+
+
+MODELS: dict[str, Callable[[bool], list[tuple[int, ...]]]] = {
+    "gpt": lambda quick: _gpt_shapes(d=32 if quick else 128),
+    "many-small": lambda quick: [(256,)] * (100 if quick else 1000),
+    "few-large": lambda quick: [(1 << (12 if quick else 18),)] * 4,
+}
+
+
+def model_shapes(name: str, quick: bool = False) -> list[tuple[int, ...]]:
+    """The parameter shapes of loop model ``name``."""
+    return MODELS[name](quick)
+
+
+class _Loop:
+    """One candidate's training loop: its parameters, optimizer, scheduler and simulated gradients."""
+
+    def __init__(self, candidate: str, shapes, loop: str, values: list, grads: list):
+        import dml_optim
+
+        self.params = [torch.nn.Parameter(v.clone()) for v in values]
+        self.grads = grads
+        self.none = loop.startswith("none")
+        if candidate == "torch fused":
+            self.opt = torch.optim.AdamW(self.params, lr=1e-3, weight_decay=0.01, fused=True)
+        else:
+            self.opt = dml_optim.AdamW(self.params, lr=1e-3, weight_decay=0.01)
+        self.sched = (torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1.0 + 1e-3 * s))
+                      if "lambdalr" in loop else None)
+
+    def step(self) -> None:
+        opt = self.opt
+        opt.zero_grad(set_to_none=self.none)
+        if self.none:  # (backward: fresh gradient tensors)
+            for p, g in zip(self.params, torch._foreach_mul(self.grads, 1.0)):
+                p.grad = g
+        else:  # (backward: accumulated into the gradients that stay)
+            held = [p.grad for p in self.params]
+            if held[0] is None:
+                for p, g in zip(self.params, self.grads):
+                    p.grad = g.clone()
+            else:
+                torch._foreach_add_(held, self.grads)
+        opt.step()
+        if self.sched is not None:
+            self.sched.step()
+
+
+def _values(shapes, seed: int, scale: float) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) * scale for s in shapes]
+
+
+def _row(name: str, t: dict) -> dict[str, Any]:
+    return {"candidate": name, "ms_per_step": t["seconds"] * 1e3, "ms_min": t["min_seconds"] * 1e3,
+            "ms_max": t["max_seconds"] * 1e3, "samples": t["samples"], "inner_steps": t["inner"],
+            "round_ms": [x * 1e3 for x in t["round_seconds"]]}
+
+
+def _ratio(rows: dict, numerator: str, denominator: str) -> tuple[float, list[float]]:
+    median, q1, q3 = paired_ratio(rows[numerator]["round_ms"], rows[denominator]["round_ms"])
+    return median, [q1, q3]
+
+
+def _one_thread(fn):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_loops(model: str, settings: dict, log: Callable[[str], None], *, quick: bool = False) -> list[dict]:
+    """The CPU loop records of ``model`` (one per loop of :data:`LOOPS`; see the module docstring)."""
+    shapes = model_shapes(model, quick)
+    values, grads = _values(shapes, 0, 0.1), _values(shapes, 7, 1e-2)
+    records = []
+    for loop in LOOPS:
+        def measure():
+            loops = {name: _Loop(name, shapes, loop, values, grads) for name in ("dml_optim", "torch fused")}
+            for stepper in loops.values():
+                for _ in range(3):
+                    stepper.step()
+            return round_robin({k: s.step for k, s in loops.items()},
+                               lambda fn, inner: wall_seconds(fn, torch.device("cpu"), inner), settings)
+
+        timed = _one_thread(measure)
+        rows = {k: _row(k, t) for k, t in timed.items()}
+        ratio, spread = _ratio(rows, "torch fused", "dml_optim")
+        record = {"optimizer": "adamw", "workload": f"{model} {loop}", "model": model, "loop": loop, "tensors": len(shapes),
+                  "parameters": sum(math.prod(s) for s in shapes), "vs_fused_limit": VS_FUSED_LIMIT,
+                  "ratio_fused_to_ours": ratio, "spread_fused_to_ours": spread, "rows": list(rows.values())}
+        log(f"  loops {model:10} {loop:14} dml_optim {rows['dml_optim']['ms_per_step']:.3f} ms, torch fused "
+            f"{rows['torch fused']['ms_per_step']:.3f} ms: {ratio:.2f}x [{spread[0]:.2f}, {spread[1]:.2f}]")
+        records.append(record)
+    return records
+
+
+class _Eager:
+    """A steady AdamW step on DirectML's path (``backend="eager"``) or torch.optim's for-loop step, over
+    ``n`` tensors of 16 elements; ``lr_change``: a new lr before every step."""
+
+    def __init__(self, kind: str, n: int, lr_change: bool = False):
+        import dml_optim
+
+        gen = torch.Generator().manual_seed(n)
+        self.params = [torch.nn.Parameter(torch.randn(16, generator=gen)) for _ in range(n)]
+        for p in self.params:
+            p.grad = torch.randn(16, generator=gen) * 1e-2
+        if kind == "torch for-loop":
+            self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=False)
+        else:
+            self.opt = dml_optim.AdamW(self.params, lr=1e-3, backend="eager")
+        self.group = self.opt.param_groups[0]
+        self.k = 0
+        self.step = self._changing if lr_change else self.opt.step
+
+    def _changing(self) -> None:
+        self.k += 1
+        self.group["lr"] = 1e-3 / (1.0 + 1e-3 * (self.k & 1023))
+        self.opt.step()
+
+
+def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bool = False) -> dict[str, Any]:
+    """DirectML's path, host time per step (see the module docstring): one record with every candidate's row
+    and the three ratios with their quartiles."""
+    many = 200 if quick else 2000
+    candidates = {"eager, 1 tensor": ("eager", 1, False), "eager, 1 tensor, lr changing": ("eager", 1, True),
+                  f"eager, {many} tensors": ("eager", many, False),
+                  f"eager, {many} tensors, lr changing": ("eager", many, True),
+                  "torch for-loop, 1 tensor": ("torch for-loop", 1, False)}
+
+    def measure():
+        steppers = {name: _Eager(*args) for name, args in candidates.items()}
+        for s in steppers.values():
+            for _ in range(20):
+                s.step()
+        return round_robin({k: s.step for k, s in steppers.items()},
+                           lambda fn, inner: wall_seconds(fn, torch.device("cpu"), inner), settings)
+
+    timed = _one_thread(measure)
+    rows = {k: _row(k, t) for k, t in timed.items()}
+    vs_loop, vs_loop_spread = _ratio(rows, "eager, 1 tensor", "torch for-loop, 1 tensor")
+    lr_change, lr_spread = _ratio(rows, "eager, 1 tensor, lr changing", "eager, 1 tensor")
+    many_ratio, many_spread = _ratio(rows, f"eager, {many} tensors", "eager, 1 tensor")
+    record = {"optimizer": "adamw", "workload": "eager", "tensors_many": many, "elements_per_tensor": 16,
+              "ratio_to_forloop": vs_loop, "spread_to_forloop": vs_loop_spread, "forloop_limit": EAGER_VS_FORLOOP_LIMIT,
+              "ratio_lr_change": lr_change, "spread_lr_change": lr_spread, "lr_change_limit": EAGER_LR_CHANGE_LIMIT,
+              "ratio_many": many_ratio, "spread_many": many_spread, "many_limit": EAGER_MANY_LIMIT,
+              "rows": list(rows.values())}
+    log("  loops eager (host us per step): " + ", ".join(f"{k} {r['ms_per_step'] * 1e3:.1f}" for k, r in rows.items()))
+    log(f"  loops eager: 1 tensor / torch for-loop {vs_loop:.2f}x, lr changing / steady {lr_change:.2f}x, "
+        f"{many} / 1 tensors {many_ratio:.2f}x")
+    return record
+
+
+def loop_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of ``doc``'s loop records: ``(name, required, op, measured, spread)`` each as a dict."""
+    out = []
+
+    def add(name, required, op, value, spread, rec, row="loops"):
+        ok = value >= required if op == ">=" else value <= required
+        out.append({"target": name, "required": required, "op": op, "unit": "x", "measured": value,
+                    "spread": spread, "pass": ok, "status": "PASS" if ok else "MISS", "row": row,
+                    "optimizer": rec["optimizer"], "workload": rec["workload"]})
+
+    for rec in doc.get("loops", []):
+        add(f"loop {rec['model']} {rec['loop']}: >= {rec['vs_fused_limit']:.1f}x torch fused", rec["vs_fused_limit"],
+            ">=", rec["ratio_fused_to_ours"], rec["spread_fused_to_ours"], rec)
+    for rec in doc.get("loops_eager", []):
+        add(f"eager steady step, 1 tensor: <= {rec['forloop_limit']:.1f}x torch's for-loop AdamW", rec["forloop_limit"],
+            "<=", rec["ratio_to_forloop"], rec["spread_to_forloop"], rec, "loops_eager")
+        add(f"eager step with a new lr: <= {rec['lr_change_limit']:.1f}x a steady step", rec["lr_change_limit"], "<=",
+            rec["ratio_lr_change"], rec["spread_lr_change"], rec, "loops_eager")
+        add(f"eager steady step, {rec['tensors_many']} tensors: <= {rec['many_limit']:.1f}x one tensor",
+            rec["many_limit"], "<=", rec["ratio_many"], rec["spread_many"], rec, "loops_eager")
+    return out
