@@ -38,6 +38,9 @@ masked update), or, when the gradients are fresh tensors of their own (after
 gradients, read where they are: no copy into the flat gradient buffer, which
 torch.optim does not make either (:func:`reads_in_place`).
 
+Long by design: the mapping of every rule onto torch's kernels, the reading of gradients where they are
+(or their one-op copy in), and the kernel cache the steady step repeats from belong to one backend.
+
 Where it runs: the CPU (torch's CUDA kernels exist for some rules, but the
 compiled backend beats them there), parameters in float32 or float64 with
 states and arithmetic in the same dtype (no master weights, Kahan summation or
