@@ -17,6 +17,7 @@ few seconds per kernel.
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from torch._dynamo.utils import counters
 import dml_optim
 from dml_optim.backends import choose as backends, compiled
 from dml_optim.backends import direct as direct_calls
+from dml_optim.backends import eager as eager_backend
 from dml_optim.backends.compiled import CompileFallbackWarning
 from dml_optim.core.opcount import OpRecorder
 from introspect import buffers
@@ -690,8 +692,12 @@ TIERED = dict(compute_dtype=torch.float64)
 def test_auto_compiles_a_smaller_cpu_buffer_after_running_eagerly_for_a_compiles_time(monkeypatch):
     """Below the size threshold ``auto`` starts a buffer the fused kernel cannot run eager, counts the eager
     steps' time, and compiles the buffer once that reaches ``AUTO_COMPILE_AFTER_EAGER_S``: the steps before
-    and after follow the eager twin."""
+    and after follow the eager twin.  The eager backend's clock is replaced by one where every eager step
+    takes 2 ms (one tick between its two clock reads), so the switch comes after the tenth step whatever
+    the machine's load."""
     monkeypatch.setitem(backends.AUTO_COMPILE_AFTER_EAGER_S, "cpu", 0.02)
+    ticks = iter(range(1 << 20))
+    monkeypatch.setattr(eager_backend, "time", SimpleNamespace(perf_counter=lambda: 0.002 * next(ticks)))
     n = backends.AUTO_TIER_MIN_ELEMENTS["cpu"]
     gen = torch.Generator().manual_seed(2)
     p = torch.nn.Parameter(torch.randn(n, generator=gen))
@@ -706,7 +712,8 @@ def test_auto_compiles_a_smaller_cpu_buffer_after_running_eagerly_for_a_compiles
         seen.append(backends.resolved_backends(opt)[0][0])
         if seen[-1] == "compiled" and seen.count("compiled") > 3:
             break
-    assert seen[0] == "eager" and seen[-1] == "compiled", seen[:3] + seen[-3:]
+    # ten eager steps of 2 ms reach the 20 ms: the eleventh step runs compiled
+    assert seen.index("compiled") == 10 and seen[-1] == "compiled", seen[:12]
     assert not backends.tiering_pending(opt)
     torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
 
