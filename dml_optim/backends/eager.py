@@ -20,23 +20,31 @@ from __future__ import annotations
 
 import operator
 import time
+import weakref
 
 import torch
 
 from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, StepRequest, runtime
 from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, converts
 from dml_optim.core.options import CHUNK_ELEMENTS
+from dml_optim.core.quant import chunk_elements
 from dml_optim.core.update import (coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule,
                                    step_scalars, storage_dtype)
 
-__all__ = ["EagerBackend", "BACKEND", "MASKED_DEVICES", "several_counts", "masks", "ensure_scratch", "plan_updates",
-           "masked_plan", "apply_class", "apply_range", "apply_masked", "forget_device_counts"]
+__all__ = ["EagerBackend", "BACKEND", "MASKED_DEVICES", "MIN_SCRATCH", "SCRATCH_PER_ELEMENT", "several_counts", "masks",
+           "ensure_scratch", "scratch_layout", "padding_positions", "plan_updates", "masked_plan", "apply_class",
+           "apply_range", "apply_masked", "forget_device_counts"]
 
 #: Devices where parameters at several step counts take one masked update (:func:`masks`).
 #: Not the CPU: there one update per run of parameters at one count, in the buffer's order, is faster
 #: (2 cores, 40 x 16k parameters with changing None patterns, AdamW: per-element gathers made the masked
 #: kernel 5.7 ms a step; 4.2M elements at two counts: 3.5 ms masked, 1.7 ms as two eager updates).
 MASKED_DEVICES = ("privateuseone", "cuda")
+
+#: The scratch a chunked eager step may keep, in bytes: this or :data:`SCRATCH_PER_ELEMENT` bytes per element of
+#: the buffer, whichever is larger (issue 34: the step's own memory within 32 MB or 0.5 B/param).
+MIN_SCRATCH = 32 << 20
+SCRATCH_PER_ELEMENT = 0.5
 
 
 def several_counts(group, flat) -> bool:
@@ -66,21 +74,71 @@ def masks(group, flat, masked_kernel: bool) -> bool:
 
 def ensure_scratch(opt, group, flat, gated: bool, compiled: bool) -> None:
     """Scratch for the eager rule: full size, or one chunk when it converts; none for a compiled
-    buffer (the fused kernel needs none; an eager call on it, under a dispatch mode, allocates)."""
+    buffer (the fused kernel needs none; an eager call on it, under a dispatch mode, allocates).
+
+    A quantized buffer's chunk is sized by :func:`~dml_optim.core.quant.chunk_elements`: its scratch (the
+    rule's, one decoded buffer per state, the encoder's per-block divisor, the decoder's int32 index,
+    which shares the rule's first scratch tensor when it has one) stays within 32 MiB or 0.5 bytes per
+    element, whichever is larger, in as few equal chunks as that allows (:func:`scratch_layout`)."""
     if compiled:
         flat.scratch = []
         return
+    size, cdtype, count, extras = scratch_layout(opt, group, flat, gated)
+    if (len(flat.scratch) == count + len(extras) and all(t.numel() == size for t in flat.scratch[:count])
+            and all(t.numel() == n and t.dtype == d for t, (n, d) in zip(flat.scratch[count:], extras))):
+        return
+    flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(count)]
+    flat.scratch += [torch.empty(n, dtype=d, device=flat.device) for n, d in extras]
+
+
+def scratch_layout(opt, group, flat, gated: bool) -> tuple:
+    """``(chunk, compute dtype, count, extras)`` of ``flat``'s eager scratch: ``count`` tensors of ``chunk``
+    elements (the rule's, then one per converted operand), then ``extras`` as ``(elements, dtype)``: a
+    quantized buffer's per-block divisor and, when the rule keeps no scratch, the decoder's index."""
     convert = converts(group, flat)
-    size = min(flat.numel, CHUNK_ELEMENTS) if convert else flat.numel
     cdtype = compute_dtype(group, flat.dtype, flat.bits)
-    count = type(opt).scratch_count(group, gated)
+    n_rule = type(opt).scratch_count(group, gated)
+    count = n_rule
     if convert:
         x = flat.master if flat.master is not None else flat.data
         count += conversion_count(x.dtype, flat.dtype, [storage_dtype(s) for s in flat.states.values()], cdtype,
                                   group["kahan"])
-    if len(flat.scratch) == count and all(s.numel() == size for s in flat.scratch):
-        return
-    flat.scratch = [torch.empty(size, dtype=cdtype, device=flat.device) for _ in range(count)]
+    if not convert:
+        return flat.numel, cdtype, count, []
+    if not flat.bits:
+        return min(flat.numel, CHUNK_ELEMENTS), cdtype, count, []
+    itemsize = cdtype.itemsize
+    shared = n_rule > 0 and itemsize >= 4  # the decoder's index fits in the rule's first scratch tensor
+    per_element = count * itemsize + (0 if shared else 4) + -(-itemsize // flat.align)
+    size = min(flat.numel, chunk_elements(flat.numel, per_element, ops_per_chunk=0, align=flat.align,
+                                          min_scratch=MIN_SCRATCH, scratch_per_param=SCRATCH_PER_ELEMENT))
+    extras = [(size // flat.align, cdtype)]  # the encoder's divisor
+    if not shared:
+        extras.append((size, torch.int32))  # the decoder's index (else in the rule's first scratch)
+    return size, cdtype, count, extras
+
+
+#: Per quantized buffer (by id, dropped with the buffer): ``(offsets, {(a, b): padding positions})``.
+_PADS: dict[int, tuple] = {}
+
+
+def padding_positions(flat, a: int, b: int) -> torch.Tensor | None:
+    """The padding positions of elements ``[a, b)`` of an aligned buffer, relative to ``a`` (int64 on the
+    device, from the host's layout, built once per layout and range; None where the range has none)."""
+    if flat.valid is None:
+        return None
+    cached = _PADS.get(id(flat))
+    if cached is None:
+        cached = _PADS[id(flat)] = (flat.offsets, {})
+        weakref.finalize(flat, _PADS.pop, id(flat), None)
+    elif cached[0] is not flat.offsets:  # a new layout
+        cached = _PADS[id(flat)] = (flat.offsets, {})
+    known = cached[1]
+    if (a, b) not in known:
+        where = [j - a for i, n in enumerate(flat.sizes)
+                 for j in range(max(a, flat.offsets[i] + n), min(b, flat.offsets[i + 1]))]
+        known[(a, b)] = torch.tensor(where, dtype=torch.int64, device=flat.device) if where else None
+    return known[(a, b)]
 
 
 def _host_scalars(request: StepRequest, count: int) -> dict:
@@ -258,11 +316,21 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
                  compute_dtype=cdtype, finite=finite, scratch=part)
         return
     chunk = scratch[0].numel() if scratch and scratch[0].numel() else CHUNK_ELEMENTS
+    index = small = None
+    if flat.bits and conversions:  # quantized: the decoder's index, the encoder's divisor; padding zeroed by position
+        shared = bool(rule_scratch) and rule_scratch[0].element_size() >= 4  # (as scratch_layout made it)
+        n_conv = len(conversions) - (1 if shared else 2)
+        small = conversions[n_conv]
+        index = rule_scratch[0].view(torch.int32) if shared else conversions[n_conv + 1]
+        conversions = conversions[:n_conv]
     for a in range(start, end, chunk):
         b = min(a + chunk, end)
         k = b - a
         run_rule(cls, x[a:b], flat.grad[a:b], [flat.states[n][a:b] for n in names], scalars,
                  compute_dtype=cdtype, finite=finite, params_out=out[a:b] if out is not None else None,
-                 comp=flat.kahan[a:b] if flat.kahan is not None else None, valid=flat.block_valid(a, b),
+                 comp=flat.kahan[a:b] if flat.kahan is not None else None,
+                 valid=flat.block_valid(a, b) if not flat.bits else None,
                  buffers=[t[:k] for t in conversions] if conversions else None,
-                 scratch=[s[:k] for s in rule_scratch] + [None] * (cls.scratch_slots - len(rule_scratch)))
+                 scratch=[s[:k] for s in rule_scratch] + [None] * (cls.scratch_slots - len(rule_scratch)),
+                 index=index, small=small[: k // flat.align] if small is not None else None,
+                 pad=padding_positions(flat, a, b) if flat.bits else None)

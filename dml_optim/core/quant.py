@@ -247,10 +247,10 @@ CODEBOOKS: dict[str, dict[tuple[int, bool], StateFormat]] = {
 }
 
 
-#: The codebook new states are created in (:func:`format_for`'s default).  It is the first codebook until
-#: ``optimizers/state_dict.py`` saves the codebook's name and reads a checkpoint with the formats of the
-#: codebook it names (``format_for(bits, signed, quantization)``); then it is :data:`CODEBOOK`.
-ACTIVE_CODEBOOK = LEGACY_CODEBOOK
+#: The codebook new states are created in (:func:`format_for`'s default), and the name a checkpoint of them
+#: carries (``state_dict()["dml_optim"]["quantization"]``); a checkpoint of the first codebook is read with
+#: its own formats and encoded again in this one.
+ACTIVE_CODEBOOK = CODEBOOK
 
 
 def format_for(bits: int, signed: bool, codebook: str | None = None) -> StateFormat:

@@ -166,7 +166,8 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
              compute_dtype: torch.dtype, finite: torch.Tensor | None = None, params_out: torch.Tensor | None = None,
              comp: torch.Tensor | None = None, buffers: Sequence[torch.Tensor] | None = None,
              scratch: Sequence[torch.Tensor | None] = (), fused: bool = False,
-             valid: torch.Tensor | None = None) -> None:
+             valid: torch.Tensor | None = None, index: torch.Tensor | None = None,
+             small: torch.Tensor | None = None, pad: torch.Tensor | None = None) -> None:
     """Apply ``cls.rule`` to one range, in place on ``x`` and ``states``.
 
     ``x``: the values the rule updates (the parameters, or their FP32 master
@@ -180,12 +181,20 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     elements hold values (an aligned, padded layout): padding encodes as 0 and
     the parameters' padding is kept 0.  ``scratch``: the rule's own
     temporaries (None entries: the rule allocates, or fuses).
+
+    The eager low-bit chunk (``buffers`` given, quantized states): ``index`` (int32) receives each state's
+    codes before its table gather (it may alias ``scratch[0]``, which the rule writes only later), ``small``
+    (one element per block) is the encoder's divisor, and each state is encoded *in* its decoded buffer
+    (:func:`dml_optim.core.quant.encode_into`): nothing is allocated.  ``pad`` instead of ``valid``: the
+    chunk's padding positions (int64), set to 0 in the parameters after the rule (one ``scatter_``); the
+    states' padding needs no mask there, as it only holds what the rule makes of zero gradients and zero
+    parameters (0 in a signed state; the smallest level of an unsigned one, below the block's maximum).
     """
     pool = iter(buffers) if buffers is not None else None
 
     def up(t, force: bool = False) -> torch.Tensor:
         if isinstance(t, QuantizedState):
-            return t.decode(compute_dtype, out=next(pool) if pool is not None else None)
+            return t.decode(compute_dtype, out=next(pool) if pool is not None else None, index=index)
         if t.dtype == compute_dtype and not force:
             return t
         if pool is None:
@@ -208,9 +217,11 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
             xs = torch.where(mask.view(xs.shape), xs, torch.zeros((), dtype=xs.dtype, device=xs.device))
         else:
             xs.view(mask.shape).masked_fill_(mask.logical_not(), 0)
+    if pad is not None:
+        xs.view(-1).scatter_(0, pad, 0.0)
     for s, c in zip(states, ss):
         if isinstance(s, QuantizedState):
-            s.encode_(c, mask)
+            s.encode_(c, mask, small=small, overwrite=not fused)
         elif c is not s:
             s.copy_(c)
     if comp is not None:

@@ -67,12 +67,13 @@ from typing import Any
 import torch
 
 from dml_optim.core.flat import FlatBuffer, is_distributed, local_tensor, param_piece, store_param_piece
-from dml_optim.core.quant import BLOCK, QuantizedState, format_for
+from dml_optim.core import quant
+from dml_optim.core.quant import BLOCK, CODEBOOKS, QuantizedState, format_for
 from dml_optim.core.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, check_state_bits,
                                dtype_option)
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS, sync_group
 
-__all__ = ["save", "load", "marker", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES", "CODES", "ABSMAX", "QUANTIZATION"]
+__all__ = ["save", "load", "marker", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES", "CODES", "ABSMAX"]
 
 _TOP_KEYS = {"state", "param_groups", "dml_optim"}
 #: Param-group keys that learning-rate schedulers add; they load as they are.
@@ -81,8 +82,6 @@ SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "b
 EXTRA_STATES = ("master_param", "kahan_comp")
 #: Suffixes of a quantized state's entries: ``exp_avg_codes`` (uint8) and ``exp_avg_absmax`` (float32, per block).
 CODES, ABSMAX = "_codes", "_absmax"
-#: The codebook of quantized entries (``state_dict()["dml_optim"]["quantization"]``, dml_optim.core.quant).
-QUANTIZATION = "dml-optim-blockwise-1"
 
 
 # -- saving -----------------------------------------------------------------------------------
@@ -155,7 +154,7 @@ def marker(opt, state: dict) -> dict[str, Any]:
     it holds quantized states)."""
     meta: dict[str, Any] = {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(opt).__name__}
     if any(isinstance(k, str) and k.endswith(CODES) for entry in state.values() if isinstance(entry, dict) for k in entry):
-        meta["quantization"] = QUANTIZATION
+        meta["quantization"] = quant.ACTIVE_CODEBOOK  # (the codebook states are created and loaded in)
     return meta
 
 
@@ -363,9 +362,9 @@ def _check_state(opt, saved_state, index_of, new_groups, version: int, saved_bit
 def _quantized_entry(cls, entry: dict, names: set, bits, quantization, p, where: str) -> dict:
     """``entry`` with each quantized state (``<name>_codes``, ``<name>_absmax``) checked and replaced by a
     :class:`~dml_optim.core.quant.QuantizedState` under ``<name>`` (decoded or copied when staged)."""
-    if quantization != QUANTIZATION:
+    if not isinstance(quantization, str) or quantization not in CODEBOOKS:
         _fail(f"{where} holds quantized states, but the state dict's 'dml_optim' says quantization="
-              f"{quantization!r}, not {QUANTIZATION!r} (the codebook this dml_optim reads)")
+              f"{quantization!r}, not one of {', '.join(map(repr, CODEBOOKS))} (the codebooks this dml_optim reads)")
     if bits not in BLOCK:
         _fail(f"{where} holds quantized states, but its saved param group has state_bits={bits!r}")
     entry = dict(entry)
@@ -391,7 +390,8 @@ def _quantized_entry(cls, entry: dict, names: set, bits, quantization, p, where:
             if t.shape != (length,):
                 _fail(f"{where}[{key!r}] has shape {tuple(t.shape)}, expected ({length},) for {n} elements at "
                       f"{bits} bits (blocks of {block})")
-        entry[name] = QuantizedState(codes, absmax.float(), format_for(bits, signed=name not in cls.unsigned_states))
+        entry[name] = QuantizedState(codes, absmax.float(),
+                                     format_for(bits, signed=name not in cls.unsigned_states, codebook=quantization))
     return entry
 
 
