@@ -22,7 +22,9 @@ with its quartiles (``spread``); the target: at least :data:`VS_FUSED_LIMIT`.
 arithmetic is negligible: this is host time per step, what DirectML's dispatch pays on top of its kernels),
 AdamW: a steady step of one tensor beside ``torch.optim.AdamW(foreach=False)``'s (its for-loop step) on one
 tensor (at most :data:`EAGER_VS_FORLOOP_LIMIT`), a step whose lr changed beside a steady one (at most
-:data:`EAGER_LR_CHANGE_LIMIT`), 2,000 tensors beside one (at most :data:`EAGER_MANY_LIMIT`, default checks).
+:data:`EAGER_LR_CHANGE_LIMIT`), 2,000 tensors beside one (at most :data:`EAGER_MANY_LIMIT`, default checks), and,
+for information, the same with ``checks="refs"`` (the default ``"full"`` reads every parameter's ``.grad`` and
+data pointer, about 0.1 us each in C: at 2,000 tensors those reads cost several steps of one tensor).
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ class _Eager:
     """A steady AdamW step on DirectML's path (``backend="eager"``) or torch.optim's for-loop step, over
     ``n`` tensors of 16 elements; ``lr_change``: a new lr before every step."""
 
-    def __init__(self, kind: str, n: int, lr_change: bool = False):
+    def __init__(self, kind: str, n: int, lr_change: bool = False, checks: str = "full"):
         import dml_optim
 
         gen = torch.Generator().manual_seed(n)
@@ -167,7 +169,7 @@ class _Eager:
         if kind == "torch for-loop":
             self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=False)
         else:
-            self.opt = dml_optim.AdamW(self.params, lr=1e-3, backend="eager")
+            self.opt = dml_optim.AdamW(self.params, lr=1e-3, backend="eager", checks=checks)
         self.group = self.opt.param_groups[0]
         self.k = 0
         self.step = self._changing if lr_change else self.opt.step
@@ -185,6 +187,7 @@ def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bo
     candidates = {"eager, 1 tensor": ("eager", 1, False), "eager, 1 tensor, lr changing": ("eager", 1, True),
                   f"eager, {many} tensors": ("eager", many, False),
                   f"eager, {many} tensors, lr changing": ("eager", many, True),
+                  f"eager, {many} tensors, checks=refs": ("eager", many, False, "refs"),
                   "torch for-loop, 1 tensor": ("torch for-loop", 1, False)}
 
     def measure():
@@ -200,14 +203,16 @@ def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bo
     vs_loop, vs_loop_spread = _ratio(rows, "eager, 1 tensor", "torch for-loop, 1 tensor")
     lr_change, lr_spread = _ratio(rows, "eager, 1 tensor, lr changing", "eager, 1 tensor")
     many_ratio, many_spread = _ratio(rows, f"eager, {many} tensors", "eager, 1 tensor")
+    refs_ratio, refs_spread = _ratio(rows, f"eager, {many} tensors, checks=refs", "eager, 1 tensor")
     record = {"optimizer": "adamw", "workload": "eager", "tensors_many": many, "elements_per_tensor": 16,
               "ratio_to_forloop": vs_loop, "spread_to_forloop": vs_loop_spread, "forloop_limit": EAGER_VS_FORLOOP_LIMIT,
               "ratio_lr_change": lr_change, "spread_lr_change": lr_spread, "lr_change_limit": EAGER_LR_CHANGE_LIMIT,
               "ratio_many": many_ratio, "spread_many": many_spread, "many_limit": EAGER_MANY_LIMIT,
+              "ratio_many_refs": refs_ratio, "spread_many_refs": refs_spread,
               "rows": list(rows.values())}
     log("  loops eager (host us per step): " + ", ".join(f"{k} {r['ms_per_step'] * 1e3:.1f}" for k, r in rows.items()))
     log(f"  loops eager: 1 tensor / torch for-loop {vs_loop:.2f}x, lr changing / steady {lr_change:.2f}x, "
-        f"{many} / 1 tensors {many_ratio:.2f}x")
+        f"{many} / 1 tensors {many_ratio:.2f}x ({refs_ratio:.2f}x with checks='refs')")
     return record
 
 
