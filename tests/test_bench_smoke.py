@@ -130,6 +130,7 @@ def test_quick_benchmark_measures_every_row(tmp_path, monkeypatch, capsys):
         assert inst["graphs_compiled"] <= 1  # one graph serves every instance and epsilon
     # the CUDA-only parts are listed with the reason, and the printed report says so
     left_out = {n["what"]: n["reason"] for n in doc["not_measured"]}
+    assert "--rows wholemem" in left_out.pop("wholemem")  # (named to run: minutes of subprocesses)
     assert set(left_out) == {"graph", "kernel time", "copy bandwidth"}
     assert all(reason.startswith("CUDA only: ") for reason in left_out.values())
     assert f"not measured: graph: {left_out['graph']}" in lines
@@ -206,7 +207,9 @@ def test_what_a_run_leaves_out_is_listed_with_the_reason():
     assert plan.rows == ("host",) and [t.row for t in plan.tasks] == ["host"]  # graph: not an error, left out
     reasons = {n["what"]: n["reason"] for n in plan.not_measured}
     assert reasons.pop("graph").startswith("CUDA only: ")
-    assert set(reasons) == {"memory", "construction", "instances", "frozen", "nonepattern", "loops", "lowbit", "speed"}
+    assert set(reasons) == {"memory", "construction", "instances", "frozen", "nonepattern", "loops", "lowbit", "speed",
+                            "wholemem"}
+    assert "--rows wholemem" in reasons["wholemem"]  # (not a default row: minutes of subprocesses)
     assert compiled.compile_available("cpu")[0] is (reasons["instances"] == "not selected (--rows)")
     assert {reasons[r] for r in ("memory", "construction", "frozen", "nonepattern", "lowbit", "speed")} == {
         "not selected (--rows)"}

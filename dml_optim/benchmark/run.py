@@ -5,7 +5,8 @@ lists the measurements of the selected rows, in this order: ``memory``,
 ``construction`` (before any row that compiles, so that its cold first
 construction pays the compile), ``graph``, ``instances``, ``frozen``,
 ``host``, ``nonepattern``, ``lowbit``, ``speed`` (the cheap rows first, so
-that ``--budget`` cuts the long speed grid, not them).  What the
+that ``--budget`` cuts the long speed grid, not them), then ``wholemem`` (the
+whole-training peak, a subprocess per configuration: measured when named).  What the
 run leaves out is listed with the reason (:func:`not_measured`): a row the
 device cannot run (``graph`` off CUDA; ``instances`` without the compiled
 backend), one not selected, and off CUDA the CUDA-only parts of the speed
@@ -38,7 +39,8 @@ __all__ = ["ROWS", "SCHEMA", "default_rows", "unmeasurable", "not_measured", "se
            "new_document", "run_plan"]
 
 #: The rows, in the order a run measures them.
-ROWS = ("memory", "construction", "graph", "instances", "frozen", "host", "nonepattern", "loops", "lowbit", "speed")
+ROWS = ("memory", "construction", "graph", "instances", "frozen", "host", "nonepattern", "loops", "lowbit", "speed",
+        "wholemem")
 #: Version of the result document's layout (``bench/README.md``).
 SCHEMA = 2
 _DEFAULT_ROWS = {"cpu": ("memory", "construction", "instances", "frozen", "host", "nonepattern", "loops", "lowbit",
@@ -59,6 +61,9 @@ def unmeasurable(row: str, device: torch.device) -> str | None:
     if row == "loops" and device.type != "cpu":
         return (f"measured by a CPU run (torch's fused CPU step beside ours; DirectML's path as the eager backend's "
                 f"host time); the device is {device.type}")
+    if row == "wholemem" and device.type not in ("cpu", "cuda"):
+        return (f"CPU or CUDA only: the peak is the resident set (CPU) or max_memory_allocated (CUDA); the device is "
+                f"{device.type}")
     if row == "instances":
         from dml_optim.backends.compiled import compile_available
 
@@ -69,7 +74,9 @@ def unmeasurable(row: str, device: torch.device) -> str | None:
 
 #: Why a row that can run is left out when ``--rows`` does not name it.
 _NOT_SELECTED = {"host": "measured by a CPU run (the CPU's steps with the default backend and the eager one, one "
-                         "thread); `--rows host` adds it to any run"}
+                         "thread); `--rows host` adds it to any run",
+                 "wholemem": "the whole-training peak, a subprocess per configuration and zero_grad style (minutes "
+                             "on a 50M-parameter model); `--rows wholemem` adds it to any run"}
 
 
 def not_measured(device: torch.device, requested: Sequence[str]) -> list[dict[str, str]]:
@@ -234,6 +241,10 @@ def _tasks(plan: Plan) -> list[Task]:
             for o in plan.optimizers:
                 tasks.append(Task("speed", f"speed: {o} on {work.name}", lambda doc, log, o=o, w=work:
                                   _record_speed(doc, *_listed(speed.measure_group(o, w, dev, dtype, s, log)))))
+    if "wholemem" in plan.rows:  # (imported here: its child runs `python -m dml_optim.benchmark.wholemem`, which
+        from dml_optim.benchmark import wholemem  # must not find it imported already by the package)
+
+        tasks += wholemem.bench_tasks(plan, Task)
     return tasks
 
 
@@ -262,7 +273,7 @@ def new_document(plan: Plan) -> dict[str, Any]:
         "candidates": list(CANDIDATES),
         "workloads": [w.describe() for w in works],
         "results": [], "references": [], "memory": [], "graphs": [], "instances": [], "host_work": [], "lowbit": [],
-        "nonepattern": [], "construction": [], "loops": [], "loops_eager": [],
+        "nonepattern": [], "construction": [], "loops": [], "loops_eager": [], "wholemem": [],
         "errors": [], "skipped": [], "not_measured": plan.not_measured, "elapsed_s": 0.0, "targets": [],
     }
 

@@ -673,12 +673,12 @@ def default_output_path(root: Path | None = None) -> Path:
 QUICK_CONFIGS = ("torch-fp32", "ours-fp32-eager", "ours-8bit-eager")
 
 
-def bench_tasks(plan) -> list:
+def bench_tasks(plan, task: Callable[[str, str, Callable], Any]) -> list:
     """The ``wholemem`` row set of a bench plan (:class:`dml_optim.benchmark.run.Plan`): one task per
-    configuration (both zero_grad styles), recorded under ``doc["wholemem"]`` (the model's description and one
-    entry per row). Quick: the small MLP and :data:`QUICK_CONFIGS`."""
-    from dml_optim.benchmark.run import Task
-
+    configuration (both zero_grad styles), made by ``task(row, label, run)`` (the bench's ``Task``, passed in:
+    this module, a child's ``python -m`` target, imports nothing of the bench runner), recorded under
+    ``doc["wholemem"]`` (the model's description and one entry per row). Quick: the small MLP and
+    :data:`QUICK_CONFIGS`."""
     model = "mlp-small" if plan.quick else "mlp"
     keys = QUICK_CONFIGS if plan.quick else tuple(c.key for c in CONFIGS)
     tasks = []
@@ -687,7 +687,7 @@ def bench_tasks(plan) -> list:
             part = measure([key], model=model, device=str(plan.device), log=log)
             doc.setdefault("wholemem", []).extend(dict(r, model=part["model"]) for r in part["rows"])
             _ratios({"rows": doc["wholemem"]})
-        tasks.append(Task("wholemem", f"wholemem: {key} on {model}, both zero_grad styles, in subprocesses", run))
+        tasks.append(task("wholemem", f"wholemem: {key} on {model}, both zero_grad styles, in subprocesses", run))
     return tasks
 
 

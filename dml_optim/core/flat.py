@@ -94,11 +94,15 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
         precision: the precision options the states were allocated with.
         owned: False when ``data`` is another component's storage (a ZeRO bucket): never re-packed.
         staged: the parameters are DTensors; ``data`` is a working copy of their local shards.
+        hooks: the handles of the post-accumulate-grad hooks that move fresh gradients into ``grad``
+            (:meth:`hook_grads`; None: not hooked yet).
+        adopt: the hooks move fresh gradients in (False where the buffer runs torch's fused kernel, which
+            reads them where they are; the optimizer sets it).
     """
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
                  "grad_refs", "uses", "data_uses", "absent", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
-                 "_owner", "__weakref__")
+                 "_owner", "hooks", "_where", "adopt", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
                  bits: int | None = None):
@@ -130,13 +134,19 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
         self.counter = StepCounter(len(self.params))
         self.precision: tuple | None = None
         self.owned = True
+        self.hooks: list | None = None
+        self._where: dict[int, int] | None = None
+        self.adopt = False
         # (gradients the parameters already have stay where they are: the first step reads or gathers them)
 
     # -- copying and pickling ----------------------------------------------------------
 
     #: Per-process bookkeeping a copy starts without: weak references to the gradient views handed out
-    #: (a copy's parameters hold copies of them), the storage use counts and their storage objects.
-    _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "_storages": ()}
+    #: (a copy's parameters hold copies of them), the storage use counts and their storage objects, the
+    #: gradient hooks (on the original's parameters: the copy hooks its own at its next step, and decides
+    #: ``adopt`` again).
+    _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "_storages": (), "hooks": None,
+                  "_where": None, "adopt": False}
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT
@@ -263,6 +273,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
             kahan = repacked(self.kahan) if self.kahan is not None else None
         ours = self._grads_ours()  # foreign gradients stay where they are
         self.params = [self.params[i] for i in order]
+        self._where = None
         self.indices = [self.indices[i] for i in order]
         self.shapes = [self.shapes[i] for i in order]
         self._set_layout([self.sizes[i] for i in order])

@@ -4,11 +4,24 @@
 there).  Gradients become views of one flat gradient buffer once they exist (:meth:`~GradientsMixin.grad_view`,
 held weakly, so that a re-bound gradient releases its view); gradients of their own (fresh tensors after
 ``zero_grad(set_to_none=True)``, a DDP bucket view) are gathered into it, one ``cat`` per contiguous run.
+
+**Gradients never held twice** (:meth:`~GradientsMixin.hook_grads`).  Under ``zero_grad(set_to_none=True)``
+(accelerate, transformers' Trainer) autograd makes a fresh gradient per parameter while the flat gradient
+buffer stays allocated: gathered only at the step, every gradient would exist twice at the peak.  A
+post-accumulate-grad hook per parameter (torch >= 2.1) copies each fresh gradient into its slot as soon as
+autograd has produced it and points ``p.grad`` at the slot's view, so the fresh tensor is freed at once:
+one gradient per parameter, plus the one autograd is producing.  A gradient already in its view
+(``set_to_none=False``, the second backward of an accumulation) was accumulated there in place: nothing to
+do.  Anything else (a bucket view, a subclass, a gradient with a graph, a re-bound parameter) is left where it
+is for the step to gather, as before.  The hooks copy only where the buffer does not run torch's fused kernel,
+which reads fresh gradients where they are (:attr:`~dml_optim.core.flat.FlatBuffer.adopt`, set by the
+optimizer).
 """
 
 from __future__ import annotations
 
 import operator
+import warnings
 import weakref
 from itertools import repeat
 from functools import partial
@@ -18,7 +31,7 @@ import torch
 
 from dml_optim.core.packing import local_tensor
 
-__all__ = ["GradientsMixin", "ZERO_RUNS"]
+__all__ = ["GradientsMixin", "ZERO_RUNS", "HOOKS_AVAILABLE"]
 
 _GRAD = operator.attrgetter("grad")
 #: Reading ``.grad``/``data_ptr()`` of many ``nn.Parameter``s is twice as fast without the
@@ -29,6 +42,10 @@ _IS_NONE = partial(operator.is_, None)
 #: (frozen after the optimizer was built) hold at least half of it, only the runs of those with one, up to this
 #: many ops (torch.optim zeroes the gradients that exist; a frozen backbone's slots are not written every step).
 ZERO_RUNS = 4
+#: ``Tensor.register_post_accumulate_grad_hook`` exists (torch >= 2.1): fresh gradients are moved into the flat
+#: gradient buffer as autograd produces them.  Without it they are gathered at the step (both copies at the peak).
+HOOKS_AVAILABLE = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+_WARNED_NO_HOOKS = []
 
 
 class GradientsMixin:
@@ -45,6 +62,66 @@ class GradientsMixin:
                 self.grad = alloc(self.numel, dtype=self.dtype, device=self.device)
             self.grad_refs = [None] * len(self.params)
         return self.grad
+
+    # -- moving fresh gradients in as autograd produces them ----------------------------------------------
+
+    def hook_grads(self) -> None:
+        """Hook every trainable parameter so that a fresh gradient moves into its slot of the flat gradient
+        buffer as soon as autograd has produced it (see the module's docstring).  Once per buffer (a copy of
+        the optimizer hooks again at its next step); staged (DTensor) buffers are not hooked.  Where torch has
+        no post-accumulate-grad hooks, warns once and gathers at the step, as before."""
+        if self.hooks is not None or self.staged:
+            return
+        if not HOOKS_AVAILABLE:
+            if not _WARNED_NO_HOOKS:
+                _WARNED_NO_HOOKS.append(True)
+                warnings.warn(f"dml_optim: torch {torch.__version__} has no Tensor.register_post_accumulate_grad_hook "
+                              "(torch >= 2.1): under zero_grad(set_to_none=True) every gradient exists twice at the "
+                              "step (autograd's and the flat buffer's); zero_grad(set_to_none=False) avoids it",
+                              RuntimeWarning, stacklevel=3)
+            self.hooks = []
+            return
+        ref = weakref.ref(self)
+        self.hooks = [p.register_post_accumulate_grad_hook(partial(_adopt, ref))
+                      for p in self.params if p.requires_grad and p.is_leaf]
+        weakref.finalize(self, _remove_hooks, self.hooks)
+
+    def unhook_grads(self) -> None:
+        """Remove the hooks :meth:`hook_grads` installed (the buffer is replaced)."""
+        _remove_hooks(self.hooks or [])
+        self.hooks = None
+
+    def position(self, p) -> int | None:
+        """Where parameter ``p`` is in this buffer (None: not here)."""
+        where = self._where
+        if where is None:
+            where = self._where = {id(q): i for i, q in enumerate(self.params)}
+        i = where.get(id(p))
+        return i if i is not None and self.params[i] is p else None
+
+    def adopt_grad(self, p) -> bool:
+        """Move ``p``'s fresh gradient into its slot of the flat gradient buffer and point ``p.grad`` at the
+        slot's view (the hook's work): True when it did.  Left alone (False): no gradient, one already in its
+        view, or one the step must look at itself (a tensor subclass, a view of another tensor (a DDP bucket),
+        one with a graph (``create_graph=True``), another shape, dtype or device, sparse, non-contiguous, or a
+        parameter re-bound away from the buffer)."""
+        g = p.grad
+        if g is None or type(g) is not torch.Tensor or g.requires_grad or g._base is not None:
+            return False
+        i = self.position(p)
+        if i is None or (self.grad is not None and self.holds_grad(i, g)):
+            return False
+        if (g.shape != self.shapes[i] or g.dtype != self.dtype or g.device != self.device or g.layout != torch.strided
+                or not g.is_contiguous() or p.data_ptr() != self.ptrs[i]):
+            return False
+        grad = self.ensure_grad()  # (zeros: slots of parameters without a gradient are zeroed again at the step)
+        if _storage(g) == _storage(grad):
+            return False
+        lo, hi = self.span(i)
+        with torch.no_grad():
+            grad[lo:hi].copy_(g.view(-1))
+        p.grad = self.grad_view(i)
+        return True
 
     def grad_view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s view of the flat gradient buffer: the one ``p.grad`` holds, or a new one."""
@@ -157,6 +234,20 @@ class GradientsMixin:
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is not None and not self.holds_grad(i, g):  # a None gradient stays None, as in torch.optim
                 p.grad = self.grad_view(i)
+
+
+def _adopt(ref: weakref.ref, p) -> None:
+    """The post-accumulate-grad hook of a parameter of the buffer ``ref`` refers to (a weak reference: the hook
+    does not keep an optimizer alive)."""
+    flat = ref()
+    if flat is not None and flat.adopt:
+        flat.adopt_grad(p)
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:

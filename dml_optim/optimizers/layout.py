@@ -119,9 +119,22 @@ class LayoutMixin:
         buffers = []
         for key, key_indices in by_key.items():
             params = [group["params"][i] for i in key_indices]
-            buffers.append(FlatBuffer(params, key_indices, via_host=self._via_host(local_tensor(params[0]).device),
-                                      bits=key[-1]))
+            flat = FlatBuffer(params, key_indices, via_host=self._via_host(local_tensor(params[0]).device), bits=key[-1])
+            self._hook(group, flat)
+            buffers.append(flat)
         return buffers
+
+    def _hook(self, group: dict[str, Any], flat: FlatBuffer, fused: bool | None = None) -> None:
+        """Let the buffer's gradient hooks move fresh gradients into the flat gradient buffer as autograd
+        produces them (:meth:`FlatBuffer.hook_grads`), unless it runs torch's fused kernel (``fused``: known
+        already), which reads them where they are, or a step inside backward takes them."""
+        if fused is None:
+            try:
+                fused = fuses(self, group, flat)
+            except (KeyError, TypeError, ValueError):  # (settings not valid yet: the first step decides)
+                fused = True
+        flat.adopt = not fused and getattr(self, "_in_backward", None) is None
+        flat.hook_grads()
 
     def _bits_changed(self, group: dict[str, Any], layout: GroupLayout) -> bool:
         """``state_bits`` changed before any state exists: the buffers must be packed again."""
@@ -301,6 +314,7 @@ class LayoutMixin:
         if active is not None and not any(active):
             return active, None, False
         fused = fuses(self, group, flat)
+        self._hook(group, flat, fused)
         if active is None and len(counter.classes) == 1:
             counter.split(None)
         else:
@@ -361,6 +375,8 @@ class LayoutMixin:
         members = sorted(set(carried) | {i for i in layout.frozen if i in include or _wants_packing(group["params"][i])})
         layout.frozen = [i for i in range(len(group["params"])) if i not in set(members)]
         old = layout.buffers
+        for flat in old:
+            flat.unhook_grads()
         layout.buffers = self._pack(group, members)
         spent = max((runtime(flat).eager_s for flat in old), default=0.0)
         for flat in layout.buffers:  # (the group's eager time so far counts for backend="auto"'s tiering)
