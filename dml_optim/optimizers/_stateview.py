@@ -30,6 +30,7 @@ import torch
 from dml_optim.core.flat import local_tensor, param_piece, store_param_piece
 from dml_optim.optimizers.state_dict import ABSMAX, CODES, EXTRA_STATES, param_state
 from dml_optim.core.quant import QuantizedState
+from dml_optim.optimizers.states import ensure_state
 
 __all__ = ["StateView", "ParamStateView"]
 
@@ -57,7 +58,7 @@ class ParamStateView(dict):
             if (isinstance(count, bool) or not isinstance(count, numbers.Real) or not math.isfinite(count)
                     or not float(count).is_integer() or count < 0 or count > type(opt).max_step):
                 raise ValueError(f"state['step'] must be a whole number in [0, {type(opt).max_step}], got {value!r}")
-            opt._ensure_state(group, flat)
+            ensure_state(type(opt), group, flat)
             counts = flat.counter.counts()
             counts[i] = int(count)
             flat.counter.set_counts(counts)
@@ -65,7 +66,7 @@ class ParamStateView(dict):
             # a quantized state's codes or scales, as a state dict holds them (ZeRO's load_state_dict
             # assigns them back one by one): copied into the parameter's blocks, bit for bit
             name = key[: -len(CODES if key.endswith(CODES) else ABSMAX)]
-            opt._ensure_state(group, flat)
+            ensure_state(type(opt), group, flat)
             state = flat.states[name]
             if not isinstance(state, QuantizedState):
                 raise KeyError(f"state[{key!r}]: {name!r} is not quantized in this optimizer (state_bits)")
@@ -83,7 +84,7 @@ class ParamStateView(dict):
             if not isinstance(value_local, torch.Tensor) or value_local.shape != shape:
                 got = tuple(value_local.shape) if isinstance(value_local, torch.Tensor) else type(value).__name__
                 raise ValueError(f"state[{key!r}] must be a tensor of shape {tuple(shape)}, got {got}")
-            opt._ensure_state(group, flat)
+            ensure_state(type(opt), group, flat)
             buffer = extras[key] if key in EXTRA_STATES else flat.states[key]
             store_param_piece(flat, buffer, i, value_local)  # (a quantized state: encoded)
         else:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import dml_optim.core.functional as F
+from dml_optim.core.dtypes import state_dtype
 from dml_optim.optimizers.adam import _EPS_DIFFERS
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, betas_alias
@@ -134,7 +135,7 @@ class DmlAdam(FlatOptimizer):
                         f"param_groups[{gi}] buffer {fi}: the moments are {flat.bits}-bit block-quantized "
                         "(state_bits); DirectML's ADAM_OPTIMIZER takes FLOAT32 or FLOAT16 moments, so this "
                         "configuration has no single-operator DirectML form")
-                sdtype = self._state_dtype(group, flat.dtype)
+                sdtype = state_dtype(group, flat.dtype)
                 if flat.master is not None or flat.kahan is not None or sdtype != flat.dtype:
                     extra = " with master weights" if flat.master is not None else " with Kahan compensation" if flat.kahan is not None else ""
                     raise ValueError(
