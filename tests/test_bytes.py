@@ -88,3 +88,29 @@ def test_torch_optim_fallbacks_count_twice():
     assert report.least_bytes == 28 * N and report.scratch_bytes == 0
     d = report.to_dict()
     assert d["bytes_with_fallbacks_per_param"] == pytest.approx(d["bytes_moved_per_param"] + 12)
+
+
+def test_the_fp32_eager_step_keeps_its_scratch_within_the_bound_on_directml(monkeypatch):
+    """On :data:`~dml_optim.backends.eager.PLAIN_CHUNK_DEVICES` (DirectML; the CPU here, patched in) a buffer
+    whose full-size scratch would be over the bound runs its rule in chunks: the bound lowered to N bytes,
+    AdamW's one scratch tensor (4 bytes per element) makes 4 chunks of 8 ops, the same bytes moved as one
+    call, nothing allocated, and the very same parameters and states."""
+    from dml_optim.backends import eager
+
+    def run():
+        p = _param()
+        opt = dml_optim.AdamW([p], lr=1e-3, backend="eager")
+        opt.step()
+        return p, opt, audit_step(opt)
+
+    p_full, opt_full, full = run()
+    monkeypatch.setattr(eager, "PLAIN_CHUNK_DEVICES", ("cpu",))
+    monkeypatch.setattr(eager, "MIN_SCRATCH", N)
+    p, opt, chunked = run()
+    assert chunked.scratch_bytes <= N < full.scratch_bytes == 4 * N
+    assert chunked.total_ops == 4 * full.total_ops == 32, chunked.format()
+    assert chunked.bytes_moved == full.bytes_moved == 80 * N
+    assert chunked.allocations == 0 and chunked.fallback_ops == 0 and chunked.host_syncs == 0
+    assert torch.equal(p.detach(), p_full.detach())
+    (a,), (b,) = opt.flat_buffers(), opt_full.flat_buffers()
+    assert all(torch.equal(a.states[k], b.states[k]) for k in b.states)

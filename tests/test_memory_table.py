@@ -115,7 +115,8 @@ def test_the_readme_text_quotes_the_table(footprints):
 
 def test_scratch_is_bounded_when_the_update_converts():
     # the README: full size in the storage dtype when the update does not convert; FP32 chunks of at most
-    # 2**20 elements per slot when it does, so under 0.3 bytes per parameter at 100M parameters
+    # 2**20 elements per slot when it does, so under 0.3 bytes per parameter at 100M parameters; low-bit
+    # states in chunks within 32 MiB or 0.5 bytes per parameter (issue 34)
     model = toy.make_model(0, 1100)  # 1,258,410 parameters: more than one chunk
     numel = sum(p.numel() for p in model.parameters())
     assert numel > CHUNK_ELEMENTS
@@ -129,6 +130,11 @@ def test_scratch_is_bounded_when_the_update_converts():
         if (config.param_dtype == config.arithmetic_dtype == config.stored_state_dtype and not config.kahan
                 and not config.state_bits):
             assert all(t.numel() == numel and t.dtype == config.param_dtype for t in scratch), name
+        elif config.state_bits:  # equal chunks of whole blocks within 32 MiB (or 0.5 bytes per parameter)
+            info = opt.flat_buffers()[0]
+            chunk = scratch[0].numel()
+            assert sum(t.nbytes for t in scratch) <= 32 << 20 and chunk % 128 == 0, name
+            assert -(-info.numel // chunk) == (2 if config.kahan else 1), name  # (Kahan: 28 bytes per element)
         else:
             assert all(t.numel() == CHUNK_ELEMENTS and t.dtype == torch.float32 for t in scratch), name
             assert len(scratch) * CHUNK_ELEMENTS * 4 / 1e8 < 0.3, name

@@ -42,7 +42,7 @@ from dml_optim.benchmark.workloads import FROZEN_PREFIXES  # noqa: E402
 README = ROOT / "README.md"
 #: The committed documents the tables are written from (paths relative to the repository root).
 SOURCES = {
-    "audit": "bench/results/audit-2026-11-27.json",
+    "audit": "bench/results/audit-2026-11-28.json",
     "cpu": "bench/results/cpu-2026-11-27.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-25.json",

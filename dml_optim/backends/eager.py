@@ -8,16 +8,23 @@ Every op of :mod:`dml_optim.core.functional` is a native DirectML kernel, so thi
   and the step is not gated, the rule's scalars are computed on the host as Python numbers (range-checked
   against the compute dtype, kept per settings token and count): no device op, no sync.  Parameters at
   several counts on :data:`MASKED_DEVICES` take one masked update instead (:func:`masked_plan`);
-* **scratch**: the rule's temporaries are preallocated once and kept (:func:`ensure_scratch`): full size,
-  or, when operands are converted (a wider compute dtype, Kahan summation, quantized states), one chunk
-  of :data:`~dml_optim.core.options.CHUNK_ELEMENTS` elements, the rule then running chunk by chunk.  A
-  plan names both (:attr:`EagerPlan.chunk`, :attr:`EagerPlan.scratch`);
+* **scratch**: the rule's temporaries are preallocated once and kept (:func:`ensure_scratch`,
+  :func:`scratch_layout`), within :func:`scratch_budget` (32 MiB or 0.5 bytes per element, whichever is
+  larger): full size when that fits, or when nothing converts on a device outside
+  :data:`PLAIN_CHUNK_DEVICES`; else the rule runs chunk by chunk.  Converted operands (a wider compute
+  dtype, Kahan summation) take chunks of :data:`~dml_optim.core.options.CHUNK_ELEMENTS` elements; a
+  quantized buffer's chunks are sized by :func:`~dml_optim.core.quant.chunk_elements` (its scratch: the
+  rule's, one decoded buffer per state, the encoder's per-block divisor, the decoder's index), decoded
+  into the scratch, encoded in place, its parameters' padding zeroed by position
+  (:func:`padding_positions`): nothing is allocated after the first step.  A plan names both
+  (:attr:`EagerPlan.chunk`, :attr:`EagerPlan.scratch`);
 * **run** (:meth:`EagerBackend.run`): the rule per class (counts on the host, or on the device for gated
   and ``capturable`` steps), or the masked update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 import weakref
@@ -31,9 +38,9 @@ from dml_optim.core.quant import chunk_elements
 from dml_optim.core.update import (coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule,
                                    step_scalars, storage_dtype)
 
-__all__ = ["EagerBackend", "BACKEND", "MASKED_DEVICES", "MIN_SCRATCH", "SCRATCH_PER_ELEMENT", "several_counts", "masks",
-           "ensure_scratch", "scratch_layout", "padding_positions", "plan_updates", "masked_plan", "apply_class",
-           "apply_range", "apply_masked", "forget_device_counts"]
+__all__ = ["EagerBackend", "BACKEND", "MASKED_DEVICES", "MIN_SCRATCH", "SCRATCH_PER_ELEMENT", "PLAIN_CHUNK_DEVICES",
+           "several_counts", "masks", "ensure_scratch", "scratch_layout", "scratch_budget", "laid_out_as", "padding_positions",
+           "plan_updates", "masked_plan", "apply_class", "apply_range", "apply_masked", "forget_device_counts"]
 
 #: Devices where parameters at several step counts take one masked update (:func:`masks`).
 #: Not the CPU: there one update per run of parameters at one count, in the buffer's order, is faster
@@ -45,6 +52,29 @@ MASKED_DEVICES = ("privateuseone", "cuda")
 #: the buffer, whichever is larger (issue 34: the step's own memory within 32 MB or 0.5 B/param).
 MIN_SCRATCH = 32 << 20
 SCRATCH_PER_ELEMENT = 0.5
+#: Devices where a buffer that converts nothing (FP32 parameters, states and arithmetic) runs its rule in chunks
+#: once a full-size scratch would be over the bound (:func:`scratch_budget`): DirectML, where memory is a 4-16 GB
+#: card's and the chunks cost a few dispatches (AdamW: 8 ops per chunk; resnet50 32 instead of 8, gpt2 64).
+#: Not the CPU: there 4 chunks of 6.4M elements took 1.4x to 1.75x the time of one call on 25.6M (AdamW, 2 threads
+#: on the shared 2-core VM, where every op's parallel region waits for a descheduled thread; equal with 1 thread),
+#: and the CPU steps a large FP32 buffer eagerly only when asked to (its default is torch's fused kernel).  Not
+#: CUDA either, unmeasured there (its eager path runs where compiling is unavailable).
+PLAIN_CHUNK_DEVICES = ("privateuseone",)
+
+#: The device type whose scratch policy :func:`scratch_layout` follows instead of the buffer's own (None: its own;
+#: :func:`laid_out_as`).
+_LAYOUT_DEVICE: list[str | None] = [None]
+
+
+@contextlib.contextmanager
+def laid_out_as(device_type: str | None):
+    """Within it, buffers get the scratch layout of ``device_type`` (``"privateuseone"``: the audit records a CPU
+    step as DirectML lays it out); the layout is made at a buffer's first step, and kept."""
+    saved, _LAYOUT_DEVICE[0] = _LAYOUT_DEVICE[0], device_type
+    try:
+        yield
+    finally:
+        _LAYOUT_DEVICE[0] = saved
 
 
 def several_counts(group, flat) -> bool:
@@ -103,19 +133,31 @@ def scratch_layout(opt, group, flat, gated: bool) -> tuple:
         x = flat.master if flat.master is not None else flat.data
         count += conversion_count(x.dtype, flat.dtype, [storage_dtype(s) for s in flat.states.values()], cdtype,
                                   group["kahan"])
-    if not convert:
-        return flat.numel, cdtype, count, []
+    itemsize = cdtype.itemsize
+    budget = scratch_budget(flat.numel)
+    if not convert:  # full size while that fits the bound (the rule in one call per range), else chunks
+        device = _LAYOUT_DEVICE[0] or flat.device.type
+        if count * itemsize * flat.numel <= budget or device not in PLAIN_CHUNK_DEVICES:
+            return flat.numel, cdtype, count, []
+        return (chunk_elements(flat.numel, count * itemsize, ops_per_chunk=0, max_scratch=budget, align=flat.align),
+                cdtype, count, [])
     if not flat.bits:
         return min(flat.numel, CHUNK_ELEMENTS), cdtype, count, []
-    itemsize = cdtype.itemsize
     shared = n_rule > 0 and itemsize >= 4  # the decoder's index fits in the rule's first scratch tensor
-    per_element = count * itemsize + (0 if shared else 4) + -(-itemsize // flat.align)
+    per_element = count * itemsize + (0 if shared else 4)
+    divisor = itemsize / flat.align  # the encoder's divisor: one element per block
     size = min(flat.numel, chunk_elements(flat.numel, per_element, ops_per_chunk=0, align=flat.align,
-                                          min_scratch=MIN_SCRATCH, scratch_per_param=SCRATCH_PER_ELEMENT))
+                                          max_scratch=int(budget * per_element / (per_element + divisor))))
     extras = [(size // flat.align, cdtype)]  # the encoder's divisor
     if not shared:
         extras.append((size, torch.int32))  # the decoder's index (else in the rule's first scratch)
     return size, cdtype, count, extras
+
+
+def scratch_budget(numel: int) -> int:
+    """The bytes of scratch a buffer of ``numel`` elements may keep: :data:`MIN_SCRATCH` or
+    :data:`SCRATCH_PER_ELEMENT` per element, whichever is larger."""
+    return max(MIN_SCRATCH, int(SCRATCH_PER_ELEMENT * numel))
 
 
 #: Per quantized buffer (by id, dropped with the buffer): ``(offsets, {(a, b): padding positions})``.
@@ -233,7 +275,7 @@ class EagerBackend:
                              scratch=tuple(flat.scratch))
         ensure_scratch(request.opt, group, flat, finite is not None, compiled)
         convert = converts(group, flat)
-        chunk = flat.scratch[0].numel() if flat.scratch and convert else 0
+        chunk = flat.scratch[0].numel() if flat.scratch and (convert or flat.scratch[0].numel() < flat.numel) else 0
         return EagerPlan(request, updates=plan_updates(request), chunk=chunk, scratch=tuple(flat.scratch),
                          timed=timed, converts=convert, compiled_buffer=compiled)
 
@@ -302,18 +344,21 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
     rule_scratch, conversions = scratch[:n_rule], scratch[n_rule:]
     scratch_full = bool(scratch) and scratch[0].numel() >= flat.numel
     if not (converts(group, flat) if convert is None else convert):
-        pad = [None] * (cls.scratch_slots - (len(rule_scratch) if scratch_full else 0))
-        if start == 0 and end == flat.numel:  # the common case: the whole buffer, no view op
-            rule = list(rule_scratch) if scratch_full else []
-            if finite is None:
-                cls.rule(x, flat.grad, *[flat.states[n] for n in names], scratch=rule + pad, **scalars)
+        # one call over the range with a full-size scratch (or none: the rule allocates), else chunk by chunk
+        chunk = rule_scratch[0].numel() if rule_scratch and not scratch_full else end - start
+        for a in range(start, end, chunk or 1):
+            b = min(a + chunk, end)
+            if a == 0 and b == flat.numel:  # the common case: the whole buffer, no view op
+                xs, gs, ss = x, flat.grad, [flat.states[n] for n in names]
+                rule = list(rule_scratch) if scratch_full else []
             else:
-                run_rule(cls, x, flat.grad, [flat.states[n] for n in names], scalars, compute_dtype=cdtype,
-                         finite=finite, scratch=rule + pad)
-            return
-        part = ([s[start:end] for s in rule_scratch] if scratch_full else []) + pad
-        run_rule(cls, x[start:end], flat.grad[start:end], [flat.states[n][start:end] for n in names], scalars,
-                 compute_dtype=cdtype, finite=finite, scratch=part)
+                xs, gs, ss = x[a:b], flat.grad[a:b], [flat.states[n][a:b] for n in names]
+                rule = [s[a:b] for s in rule_scratch] if scratch_full else [s[: b - a] for s in rule_scratch]
+            rule += [None] * (cls.scratch_slots - len(rule))
+            if finite is None:
+                cls.rule(xs, gs, *ss, scratch=rule, **scalars)
+            else:
+                run_rule(cls, xs, gs, ss, scalars, compute_dtype=cdtype, finite=finite, scratch=rule)
         return
     chunk = scratch[0].numel() if scratch and scratch[0].numel() else CHUNK_ELEMENTS
     index = small = None

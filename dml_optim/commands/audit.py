@@ -40,7 +40,9 @@ states read once, parameters and states written once). An op that falls back
 to the CPU on DirectML copies its tensors to the host and back: its bytes
 cross the bus too, so they are counted twice in "bytes incl. fallback round
 trips". Scratch: what the optimizer keeps between steps beyond parameters,
-gradients and states; allocations: what the step allocates while it runs. Reads of torch.optim's CPU step counters are reported apart from
+gradients and states, laid out as on DirectML (chunks once a full-size scratch
+would pass 32 MiB or 0.5 bytes per parameter); allocations: what the step
+allocates while it runs. Reads of torch.optim's CPU step counters are reported apart from
 host syncs: they are not device syncs on DirectML. The recording runs on the
 CPU here; the resolution is the table's. Parameters and gradients are float32
 on the CPU: a model of N parameters needs about 4*N bytes per copy (params,
@@ -117,21 +119,24 @@ def _audit(kind: str, name: str, shapes, seed: int, clip: bool = False, state_bi
 
     import dml_optim
     from dml_optim.audit import audit_call, audit_step
+    from dml_optim.backends.eager import laid_out_as
     from dml_optim.optimizers.registry import build, torch_equivalent
 
     params = _params(shapes, seed)
-    # ours: the eager op chain DirectML runs ("auto" may compile large buffers on CPU/CUDA, which the audit refuses)
+    # ours: the eager op chain DirectML runs ("auto" may compile large buffers on CPU/CUDA, which the audit refuses),
+    # its scratch laid out as on DirectML (chunks where a full-size scratch would pass the bound)
     opt = (build(name, params, backend="eager", state_bits=state_bits) if kind == "ours"
            else torch_equivalent(name, params, foreach=True))
-    opt.step()  # warm-up: states allocated, step counters past their first value
-    if not clip:
-        report = audit_step(opt)
-    elif kind == "ours":
-        report = audit_call(opt, lambda: dml_optim.clip_grad_norm_(opt, 1.0))
-        report.optimizer = "dml_optim.clip_grad_norm_"
-    else:
-        report = audit_call(opt, lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))
-        report.optimizer = "torch.nn.utils.clip_grad_norm_"
+    with laid_out_as("privateuseone"):
+        opt.step()  # warm-up: states and scratch allocated, step counters past their first value
+        if not clip:
+            report = audit_step(opt)
+        elif kind == "ours":
+            report = audit_call(opt, lambda: dml_optim.clip_grad_norm_(opt, 1.0))
+            report.optimizer = "dml_optim.clip_grad_norm_"
+        else:
+            report = audit_call(opt, lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))
+            report.optimizer = "torch.nn.utils.clip_grad_norm_"
     opt = params = None  # noqa: F841 - released before the next optimizer is built
     gc.collect()
     return report

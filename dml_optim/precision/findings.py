@@ -123,14 +123,24 @@ def _low_bit_finding(report: Report, r: Result, cfg: Config, by) -> str:
         text += f", against {fmt(full.metrics['final_rel_error'])} for `{full.config}` (the same with FP32 states)"
     if m["final_loss"] is not None and _finite_error(full):
         text += f"; final training loss {fmt(m['final_loss'])} (`{full.config}` {fmt(full.metrics['final_loss'])})"
-    signed, unsigned = format_for(bits, True), format_for(bits, False)
-    spans = (f"the first moment's code spans {signed.decades} decades below its block's largest value"
-             + (f", the second moment's {unsigned.decades}" if unsigned.kind == "de"
-                else f", the second moment's {2**bits} evenly spaced levels 1/{2**bits} apart"))
+    spans = (f"the first moment's {_code_words(format_for(bits, True))}, "
+             f"the second moment's {_code_words(format_for(bits, False))}")
     return text + (f". Each value is rounded to the nearest of its code's {2**bits} levels relative to "
                    f"the largest value of its block ({spans}), so a block holding values of very different sizes "
                    "stores its small values coarsely: the quantization error, not the arithmetic, is what separates "
                    "this configuration from FP32.")
+
+
+def _code_words(f) -> str:
+    """What the levels of the quantized state format ``f`` are, in words."""
+    if f.kind == "linear":
+        return f"{2**f.bits} evenly spaced levels 1/{2**f.bits} apart"
+    decades = f"{f.decades} decade{'s' * (f.decades != 1)} below its block's largest value"
+    if f.kind == "asinh":
+        return f"asinh-companded code, linear near 0 and logarithmic down to {decades}"
+    if f.kind == "pow":
+        return f"power code (levels (k/{f.magnitudes})^{1 / f.param:g}), whose smallest level is {decades}"
+    return f"dynamic-exponent code spanning {decades}"
 
 
 def _kahan_finding(r: Result, cfg: Config, by) -> str:
