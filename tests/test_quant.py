@@ -320,6 +320,7 @@ def test_checkpoint_formats_stay_readable():
         assert Q.format_named(fmt.name) is fmt and fmt.legacy
         assert Q.format_for(fmt.bits, fmt.signed, Q.LEGACY_CODEBOOK) is fmt
     assert {f.name for f in CURRENT}.isdisjoint(f.name for f in LEGACY)
+    assert Q.ACTIVE_CODEBOOK == Q.CODEBOOK == "dml-optim-blockwise-2"  # new states, and the name checkpoints say
     with pytest.raises(ValueError, match="unknown quantized state codebook"):
         Q.format_for(8, True, "dml-optim-blockwise-0")
 
