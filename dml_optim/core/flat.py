@@ -98,11 +98,13 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
             (:meth:`hook_grads`; None: not hooked yet).
         adopt: the hooks move fresh gradients in (False where the buffer runs torch's fused kernel, which
             reads them where they are; the optimizer sets it).
+        rounding: the :class:`~dml_optim.core.rounding.StochasticRounder` that writes the updated float16/bfloat16
+            parameters (``rounding="stochastic"``; None: to the nearest value; the optimizer sets it).
     """
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
                  "grad_refs", "uses", "data_uses", "absent", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
-                 "_owner", "hooks", "_where", "adopt", "__weakref__")
+                 "_owner", "hooks", "_where", "adopt", "rounding", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
                  bits: int | None = None):
@@ -137,6 +139,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
         self.hooks: list | None = None
         self._where: dict[int, int] | None = None
         self.adopt = False
+        self.rounding = None
         # (gradients the parameters already have stay where they are: the first step reads or gathers them)
 
     # -- copying and pickling ----------------------------------------------------------
@@ -144,9 +147,10 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
     #: Per-process bookkeeping a copy starts without: weak references to the gradient views handed out
     #: (a copy's parameters hold copies of them), the storage use counts and their storage objects, the
     #: gradient hooks (on the original's parameters: the copy hooks its own at its next step, and decides
-    #: ``adopt`` again).
+    #: ``adopt`` and ``rounding`` again).
     _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "_storages": (), "hooks": None,
-                  "_where": None, "adopt": False}
+                  "_where": None, "adopt": False,
+                  "rounding": None}
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT

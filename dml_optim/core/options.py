@@ -6,7 +6,7 @@ Two kinds of settings live in a param group:
   numbers, declared per optimizer in its spec (:mod:`dml_optim.optimizers.spec`);
 * **options** (this module): how the rule runs, the same for every optimizer:
   ``backend``, ``state_dtype``, ``state_bits``, ``compute_dtype``, ``master_weights``,
-  ``kahan``, ``nonfinite`` and ``capturable``.
+  ``kahan``, ``rounding``, ``nonfinite`` and ``capturable``.
 
 Optimizer-wide settings (``atomic``, ``checks``, ``pack_via``) are attributes
 of the optimizer, not of a group.  :func:`check_options` validates a group's
@@ -26,6 +26,7 @@ __all__ = [
     "STATE_BITS",
     "BACKENDS",
     "NONFINITE_MODES",
+    "ROUNDING_MODES",
     "CHECK_MODES",
     "PACK_MODES",
     "SUPPORTED_DTYPES",
@@ -49,6 +50,10 @@ STATE_BITS = (None, 8, 4)
 BACKENDS = ("auto", "eager", "compiled", "fused")
 #: ``nonfinite=``: what a step does with inf/NaN gradients.
 NONFINITE_MODES = ("propagate", "skip", "raise")
+#: ``rounding=``: how an update computed in FP32 is written into float16/bfloat16 parameters: to the nearest
+#: value (the format's own conversion), or stochastically (:mod:`dml_optim.core.rounding`: unbiased, no
+#: compensation buffer; an alternative to ``kahan=True`` and ``master_weights=True``).
+ROUNDING_MODES = ("nearest", "stochastic")
 #: ``checks=``: how a step finds out whether parameters or gradients were re-bound (``FlatBuffer.check``):
 #: storage use counts and every parameter (the default), the counts alone (O(1)), or the counts and the first
 #: and last parameter.
@@ -75,6 +80,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "compute_dtype": None,
     "master_weights": False,
     "kahan": False,
+    "rounding": "nearest",
     "nonfinite": "propagate",
     "capturable": False,
 }
@@ -87,7 +93,7 @@ class OptimizerOptions(TypedDict, total=False):
     Per group (also accepted in ``add_param_group`` dicts): ``backend``
     (``"auto"``, ``"eager"``, ``"compiled"``, ``"fused"``), ``state_dtype``, ``state_bits``
     (None, 8 or 4: block-quantized states),
-    ``compute_dtype``, ``master_weights``, ``kahan``, ``nonfinite``
+    ``compute_dtype``, ``master_weights``, ``kahan``, ``rounding`` (``"nearest"``, ``"stochastic"``), ``nonfinite``
     (``"propagate"``, ``"skip"``, ``"raise"``), ``capturable``.  Optimizer-wide:
     ``atomic`` (roll a failed step back), ``checks`` (``"full"``, ``"refs"``, ``"fast"``),
     ``pack_via`` (``"auto"``, ``"device"``, ``"host"``).
@@ -99,6 +105,7 @@ class OptimizerOptions(TypedDict, total=False):
     compute_dtype: "torch.dtype | str | None"
     master_weights: bool
     kahan: bool
+    rounding: str
     nonfinite: str
     capturable: bool
     atomic: bool
@@ -146,6 +153,7 @@ def check_options(group: dict[str, Any]) -> None:
     """
     check_choice("backend", group["backend"], BACKENDS)
     check_choice("nonfinite", group["nonfinite"], NONFINITE_MODES)
+    check_choice("rounding", group.setdefault("rounding", "nearest"), ROUNDING_MODES)
     for key in ("state_dtype", "compute_dtype"):
         group[key] = dtype_option(key, group[key])
     check_state_bits(group["state_bits"])
@@ -156,6 +164,15 @@ def check_options(group: dict[str, Any]) -> None:
             "master_weights=True and kahan=True are alternatives (an FP32 master copy, or an FP16/BF16 "
             "compensation buffer); choose one"
         )
+    if group["rounding"] == "stochastic" and (group["kahan"] or group["master_weights"]):
+        option = "kahan=True" if group["kahan"] else "master_weights=True"
+        raise ValueError(
+            f'rounding="stochastic" and {option} are alternatives (stochastic rounding keeps the updates of '
+            "float16/bfloat16 parameters in expectation with no extra buffer; Kahan summation keeps a compensation "
+            f'buffer, master weights an FP32 copy); choose one: drop {option} or use rounding="nearest"')
+    if group["rounding"] == "stochastic" and group["backend"] == "compiled":
+        raise ValueError('rounding="stochastic" runs on the eager backend (the rounding draws from the optimizer\'s '
+                         'generator, which a compiled kernel does not take): use backend="auto" or backend="eager"')
     if group["capturable"] and group["nonfinite"] == "raise":
         raise ValueError("capturable=True and nonfinite='raise' cannot be combined: 'raise' reads a flag on the host every step")
 

@@ -64,7 +64,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "RoundingScratch", "round_stochastic", "round_stochastic_new"]
+__all__ = ["FORMATS", "RoundingScratch", "round_stochastic", "round_stochastic_new", "StochasticRounder",
+           "write_rounded"]
 
 
 @dataclass(frozen=True)
@@ -179,3 +180,40 @@ def round_stochastic_new(x: torch.Tensor, dtype: torch.dtype, *, generator: torc
         raise TypeError(f"dtype must be float16 or bfloat16, got {dtype}")
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     return round_stochastic(x.contiguous() if isinstance(x, torch.Tensor) else x, out, generator=generator)
+
+
+class StochasticRounder:
+    """What an optimizer's step needs to write parameters with ``rounding="stochastic"`` on one device: a
+    ``torch.Generator`` (one per optimizer and device, seeded from ``seed``; its state is saved in the
+    optimizer's ``state_dict``) and a :class:`RoundingScratch` kept between steps, sized to the largest
+    range rounded so far (the eager step's chunk: bounded).  Calling it rounds ``values`` (float32) into
+    ``out`` (float16/bfloat16) with :func:`round_stochastic`."""
+
+    def __init__(self, device: torch.device | str, seed: int):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.scratch: RoundingScratch | None = None
+
+    def __call__(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        n = values.numel()
+        if self.scratch is None or self.scratch.numel < n:
+            self.scratch = RoundingScratch(n, self.device)
+        round_stochastic(values.reshape(-1), out.view(-1), generator=self.generator, scratch=self.scratch)
+
+    def get_state(self) -> torch.Tensor:
+        """The generator's state (a CPU uint8 tensor, as ``torch.Generator.get_state`` returns it)."""
+        return self.generator.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state.to("cpu", torch.uint8))
+
+
+def write_rounded(values: torch.Tensor, out: torch.Tensor, rounder: StochasticRounder | None) -> None:
+    """Write the update's ``values`` (the compute dtype) into the parameters ``out``: to the nearest value
+    (``out.copy_``), or stochastically when ``rounder`` is given and ``out`` is float16/bfloat16 while
+    ``values`` is float32 (the call site of :func:`dml_optim.core.update.run_rule`)."""
+    if rounder is not None and out.dtype in FORMATS and values.dtype == torch.float32:
+        rounder(values, out)
+    else:
+        out.copy_(values)

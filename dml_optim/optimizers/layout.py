@@ -37,11 +37,13 @@ from dml_optim.backends.choose import fuses
 from dml_optim.backends.eager import several_counts
 from dml_optim.backends.fused import copies_in, copy_in, reads_in_place
 from dml_optim.core.dtypes import PRECISION_OPTIONS, check_range, precision
+from dml_optim.core.options import LOW_PRECISION_DTYPES
 from dml_optim.core.flat import (Binding, FlatBuffer, describe_param, group_key, local_tensor, param_piece,
                                  store_param_piece)
 from dml_optim.core.functional import check_like
 from dml_optim.core.grads import _runs
 from dml_optim.core.quant import BLOCK, MIN_ELEMENTS
+from dml_optim.optimizers.rounders import check_rounding, rounder
 from dml_optim.optimizers.settings import changed_scalars, items, structure_of, unchanged
 from dml_optim.optimizers.spec import sync_group
 from dml_optim.optimizers.states import ensure_state
@@ -135,6 +137,9 @@ class LayoutMixin:
                 fused = True
         flat.adopt = not fused and getattr(self, "_in_backward", None) is None
         flat.hook_grads()
+        stochastic = group.get("rounding") == "stochastic" and flat.dtype in LOW_PRECISION_DTYPES
+        flat.rounding = rounder(self, flat.device) if stochastic else None
+
 
     def _bits_changed(self, group: dict[str, Any], layout: GroupLayout) -> bool:
         """``state_bits`` changed before any state exists: the buffers must be packed again."""
@@ -193,6 +198,7 @@ class LayoutMixin:
         candidate["params"] = group["params"]
         synced = sync_group(type(self).spec, candidate, layout.synced, f"param_groups[{gi}]")
         self._check_group(candidate, gi)
+        check_rounding(candidate, gi)
         del candidate["params"]
         floats = {h.name: candidate[h.name] for h in type(self).spec.hyperparameters if h.kind == "float"}
         for flat in layout.buffers:
