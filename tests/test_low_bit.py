@@ -149,6 +149,32 @@ def test_the_compiled_step_gives_the_eager_codes(name, bits):
         torch.testing.assert_close(a.scales, b.scales, rtol=1e-5, atol=0)
 
 
+@_COMPILED
+@pytest.mark.slow
+def test_the_compiled_kernel_runs_a_large_quantized_buffer_in_chunks(monkeypatch):
+    """The compiled kernel materializes its decoded states: a quantized buffer whose decoded states would
+    pass the eager scratch bound runs through it in chunks (here the bound lowered to make four), with the
+    same result as one call and its step count advanced once a step."""
+    from dml_optim.backends import eager
+
+    def run(chunked):
+        params = [torch.nn.Parameter(torch.randn(4 * 33 * 256 - 50, generator=torch.Generator().manual_seed(0)))]
+        opt = dml_optim.AdamW(params, lr=1e-3, state_bits=8, backend="compiled")
+        for step in range(3):
+            params[0].grad = torch.randn(params[0].shape, generator=torch.Generator().manual_seed(step + 1))
+            opt.step()
+        return params[0].detach(), opt
+
+    one, opt_one = run(False)
+    monkeypatch.setattr(eager, "MIN_SCRATCH", 2 * 4 * 33 * 256)  # two decoded states of 33 blocks
+    four, opt_four = run(True)
+    assert opt_four.flat_buffers()[0].backend == "compiled"
+    assert opt_four.flat_buffers()[0].step_counts == (3,)
+    assert torch.equal(four, one)
+    for (_, a), (_, b) in zip(_quantized(opt_four), _quantized(opt_one)):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+
+
 # -- memory ----------------------------------------------------------------------------------------
 
 
