@@ -377,5 +377,5 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
                  valid=flat.block_valid(a, b) if not flat.bits else None,
                  buffers=[t[:k] for t in conversions] if conversions else None,
                  scratch=[s[:k] for s in rule_scratch] + [None] * (cls.scratch_slots - len(rule_scratch)),
-                 index=index, small=small[: k // flat.align] if small is not None else None,
+                 index=index, small=small[: k // flat.align] if small is not None else None, rounding=flat.rounding,
                  pad=padding_positions(flat, a, b) if flat.bits else None)

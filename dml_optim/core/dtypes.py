@@ -21,11 +21,11 @@ import torch
 
 from dml_optim.core.options import LOW_PRECISION_DTYPES
 
-__all__ = ["PRECISION_OPTIONS", "precision", "state_dtype", "compute_dtype", "master_dtype", "converts",
+__all__ = ["PRECISION_OPTIONS", "precision", "state_dtype", "compute_dtype", "widened", "master_dtype", "converts",
            "dtype_limit", "check_step_limit", "check_range"]
 
 #: The options :func:`precision` reads, in its order (the states are allocated for these).
-PRECISION_OPTIONS = ("state_dtype", "compute_dtype", "master_weights", "kahan", "state_bits")
+PRECISION_OPTIONS = ("state_dtype", "compute_dtype", "master_weights", "kahan", "state_bits", "rounding")
 
 #: The largest finite value of each compute dtype (``torch.finfo`` is not free on every step).
 _LIMITS: dict[torch.dtype, float] = {}
@@ -34,14 +34,14 @@ _LIMITS: dict[torch.dtype, float] = {}
 def precision(group) -> tuple:
     """The precision options of ``group`` (:data:`PRECISION_OPTIONS`), as a tuple."""
     return (group["state_dtype"], group["compute_dtype"], group["master_weights"], group["kahan"],
-            group["state_bits"])
+            group["state_bits"], group.get("rounding", "nearest"))
 
 
 def state_dtype(group, dtype: torch.dtype) -> torch.dtype:
-    """States are FP32 with master weights or Kahan unless ``state_dtype`` says otherwise."""
+    """States are FP32 with master weights, Kahan or stochastic rounding unless ``state_dtype`` says otherwise."""
     if group["state_dtype"] is not None:
         return group["state_dtype"]
-    return torch.float32 if group["master_weights"] or group["kahan"] else dtype
+    return torch.float32 if widened(group) else dtype
 
 
 def compute_dtype(group, dtype: torch.dtype, bits: int | None = None) -> torch.dtype:
@@ -49,12 +49,18 @@ def compute_dtype(group, dtype: torch.dtype, bits: int | None = None) -> torch.d
     states (``bits``: the buffer's), else the parameters'."""
     if group["compute_dtype"] is not None:
         return group["compute_dtype"]
-    if group["master_weights"] or group["kahan"]:
+    if widened(group):
         sdtype = state_dtype(group, dtype) if not bits else torch.float32
         return torch.float32 if sdtype in LOW_PRECISION_DTYPES else sdtype
     if bits:
         return torch.float64 if dtype == torch.float64 else torch.float32
     return dtype
+
+
+def widened(group) -> bool:
+    """The rule computes in FP32 (at least) whatever the parameters' dtype: master weights, Kahan summation or
+    stochastic rounding (``rounding="stochastic"``: the FP32 result is rounded into the parameters)."""
+    return group["master_weights"] or group["kahan"] or group.get("rounding") == "stochastic"
 
 
 def master_dtype(group, dtype: torch.dtype) -> torch.dtype:

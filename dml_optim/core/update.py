@@ -36,6 +36,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from dml_optim.core.quant import QuantizedState, block_mask, format_named
+from dml_optim.core.rounding import StochasticRounder, write_rounded
 
 __all__ = ["step_scalars", "run_rule", "fused_step", "masked_scalars", "masked_step", "conversion_count",
            "coefficient_dtype", "storage_dtype", "KernelKey", "MaskedKey", "operand_names", "kernel_operands"]
@@ -167,7 +168,8 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
              comp: torch.Tensor | None = None, buffers: Sequence[torch.Tensor] | None = None,
              scratch: Sequence[torch.Tensor | None] = (), fused: bool = False,
              valid: torch.Tensor | None = None, index: torch.Tensor | None = None,
-             small: torch.Tensor | None = None, pad: torch.Tensor | None = None) -> None:
+             small: torch.Tensor | None = None, pad: torch.Tensor | None = None,
+             rounding: StochasticRounder | None = None) -> None:
     """Apply ``cls.rule`` to one range, in place on ``x`` and ``states``.
 
     ``x``: the values the rule updates (the parameters, or their FP32 master
@@ -189,6 +191,8 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     chunk's padding positions (int64), set to 0 in the parameters after the rule (one ``scatter_``); the
     states' padding needs no mask there, as it only holds what the rule makes of zero gradients and zero
     parameters (0 in a signed state; the smallest level of an unsigned one, below the block's maximum).
+    ``rounding``: the parameters (float16/bfloat16, the rule in FP32) are written stochastically
+    (:func:`dml_optim.core.rounding.write_rounded`; eager only), else to the nearest value.
     """
     pool = iter(buffers) if buffers is not None else None
 
@@ -240,7 +244,7 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
             c_new = torch.where(finite, c_new, comp) if fused else torch.where(finite, c_new, comp, out=c_new)
         comp.copy_(c_new)
     elif xs is not x:
-        x.copy_(xs)
+        write_rounded(xs, x, None if fused else rounding)
     if params_out is not None:
         params_out.copy_(x)
 

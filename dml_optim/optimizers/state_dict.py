@@ -72,6 +72,7 @@ from dml_optim.core.quant import BLOCK, CODEBOOKS, QuantizedState, format_for
 from dml_optim.core.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, check_state_bits,
                                dtype_option)
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS, sync_group
+from dml_optim.optimizers.rounders import load_rounding_state, rounding_state
 
 __all__ = ["save", "load", "marker", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES", "CODES", "ABSMAX"]
 
@@ -155,6 +156,9 @@ def marker(opt, state: dict) -> dict[str, Any]:
     meta: dict[str, Any] = {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(opt).__name__}
     if any(isinstance(k, str) and k.endswith(CODES) for entry in state.values() if isinstance(entry, dict) for k in entry):
         meta["quantization"] = quant.ACTIVE_CODEBOOK  # (the codebook states are created and loaded in)
+    rounding = rounding_state(opt)
+    if rounding:  # rounding="stochastic": the generators' states, by device (a resumed run draws on)
+        meta["rounding_generators"] = rounding
     return meta
 
 
@@ -171,8 +175,14 @@ def load(opt, state_dict: dict[str, Any]) -> None:
     incoming = _check_state(opt, state_dict["state"], index_of, new_groups, version, saved_bits,
                             state_dict.get("dml_optim", {}).get("quantization"))
     opt._include(sorted(incoming))  # frozen parameters with saved state get packed (their values are unchanged)
+    rounding = state_dict.get("dml_optim", {}).get("rounding_generators")
+    if rounding is not None and not (isinstance(rounding, dict) and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for k, v in rounding.items())):
+        _fail(f"'dml_optim'['rounding_generators'] must map device names to generator states (uint8 tensors), "
+              f"got {type(rounding).__name__}", TypeError)
     staged = _stage(opt, new_groups, incoming)
     _write(opt, new_groups, staged)
+    load_rounding_state(opt, rounding)
 
 
 # -- checks (nothing is written) ------------------------------------------------
