@@ -144,7 +144,7 @@ def test_a_set_to_none_loop_holds_one_gradient_per_parameter():
     peaks = {}
     for style in (True, False):
         res = measure_one(dict(config="ours-fp32-eager", set_to_none=style, model="mlp-small", device="cpu",
-                               warmup=2, steps=2), timeout=300)
+                               warmup=1, steps=1), timeout=300)
         assert "error" not in res, res.get("error")
         peaks[style] = res["peak_bytes"] / res["params"]
     assert peaks[True] <= peaks[False] + 1.0, peaks

@@ -46,7 +46,7 @@ SOURCES = {
     "cpu": "bench/results/cpu-2026-11-27.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-25.json",
-    "memory": "bench/results/memory-2026-11-27.json",
+    "memory": "bench/results/memory-2026-11-28.json",
 }
 #: (optimizer, model) per row of the audit table.
 AUDIT_ROWS = (
@@ -499,6 +499,10 @@ def peak_table(doc: dict[str, Any], source: str) -> str:
             f"parameters; the ratio is to torch.optim.AdamW FP32's peak in the same style. A {m.get('cpu_count')}-core "
             f"{m.get('cpu_model', 'CPU')} VM, {m.get('torch_threads')} threads, torch {doc['versions'].get('torch')}, {doc['created'][:10]} (`{source}`, written by "
             f"`python -m dml_optim.benchmark.wholemem`).")
+    carried = sorted({(r["carried_from"], r["label"]) for r in doc["rows"] if r.get("carried_from")})
+    if carried:
+        note += (" Carried from an earlier run of the same tool on this machine, their code paths unchanged since: "
+                 + "; ".join(f"{label} (`{src}`)" for src, label in carried) + ".")
     if skipped:
         note += " Not measured: " + "; ".join(skipped) + "."
     note += ")"
