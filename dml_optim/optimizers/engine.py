@@ -29,12 +29,10 @@ from dml_optim.backends.choose import fuses, plan_step, run_plan
 from dml_optim.backends.eager import ensure_scratch
 from dml_optim.backends.fused import _present, copies_in, copy_in, reads_in_place, remember_read
 from dml_optim.backends.modes import dispatch_mode_active
-from dml_optim.core import dtypes
 from dml_optim.core.flat import FlatBuffer, describe_param
 from dml_optim.core.grads import _FAST_ATTRIBUTES, _GRAD
 from dml_optim.optimizers.layout import unfrozen
 from dml_optim.optimizers.settings import unchanged
-from dml_optim.optimizers.states import ensure_state, new_state
 
 __all__ = ["EngineMixin", "Steady"]
 
@@ -51,20 +49,6 @@ class Steady(NamedTuple):
 
 class EngineMixin:
     """The running half of a flat optimizer (see the module docstring)."""
-
-    # -- the dtype rules (dml_optim.core.dtypes), under the names other modules call them by ---------------
-
-    _precision = staticmethod(dtypes.precision)
-    _state_dtype = staticmethod(dtypes.state_dtype)
-    _compute_dtype = staticmethod(dtypes.compute_dtype)
-    _master_dtype = staticmethod(dtypes.master_dtype)
-
-    def _ensure_state(self, group, flat: FlatBuffer) -> None:
-        """Allocate flat states, master copy and compensation buffer (:func:`~dml_optim.optimizers.states.ensure_state`)."""
-        ensure_state(type(self), group, flat)
-
-    def _new_state(self, group, flat: FlatBuffer, name: str):
-        return new_state(type(self), group, flat, name)
 
     def _scratch_for_eager(self) -> None:
         """Give every buffer that runs torch's fused kernel the scratch its eager rule uses (a fused step needs

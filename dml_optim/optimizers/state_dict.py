@@ -68,11 +68,13 @@ import torch
 
 from dml_optim.core.flat import FlatBuffer, is_distributed, local_tensor, param_piece, store_param_piece
 from dml_optim.core import quant
+from dml_optim.core.dtypes import master_dtype, precision
 from dml_optim.core.quant import BLOCK, CODEBOOKS, QuantizedState, format_for
 from dml_optim.core.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, check_state_bits,
                                dtype_option)
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS, sync_group
 from dml_optim.optimizers.rounders import load_rounding_state, rounding_state
+from dml_optim.optimizers.states import new_state
 
 __all__ = ["save", "load", "marker", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES", "CODES", "ABSMAX"]
 
@@ -449,8 +451,8 @@ def _stage(opt, new_groups, incoming) -> list[list[dict[str, Any]]]:
         per_flat = []
         for flat in opt._buffers_of(gi):
             names = type(opt).group_state_names(candidate)
-            states = {name: opt._new_state(candidate, flat, name) for name in names}
-            master = flat.data.to(opt._master_dtype(candidate, flat.dtype), copy=True) if candidate["master_weights"] else None
+            states = {name: new_state(type(opt), candidate, flat, name) for name in names}
+            master = flat.data.to(master_dtype(candidate, flat.dtype), copy=True) if candidate["master_weights"] else None
             kahan = torch.zeros(flat.numel, dtype=flat.dtype, device=flat.device) if candidate["kahan"] else None
             extras = {"master_param": master, "kahan_comp": kahan}
             steps = []
@@ -479,7 +481,7 @@ def _write(opt, new_groups, staged) -> None:
         for flat, new in zip(opt._buffers_of(gi), per_flat):
             flat.states = new["states"]
             flat.master, flat.kahan = new["master"], new["kahan"]
-            flat.precision = opt._precision(group)
+            flat.precision = precision(group)
             flat.scratch = []
             flat.counter.set_counts(new["steps"])
             if flat.master is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dml_optim.optimizers import FlatOptimizer
+from dml_optim.core.dtypes import compute_dtype, state_dtype
 
 __all__ = ["Config", "CONFIGS", "REFERENCE"]
 
@@ -44,13 +44,13 @@ class Config:
         """The dtype the optimizer stores its states in (``state_dtype``, or the optimizers' default; for
         quantized states, the dtype they decode into, and the dtype of the small tensors' states)."""
         if self.state_bits:
-            return FlatOptimizer._compute_dtype(self.options(), self.param_dtype, self.state_bits)
-        return FlatOptimizer._state_dtype(self.options(), self.param_dtype)
+            return compute_dtype(self.options(), self.param_dtype, self.state_bits)
+        return state_dtype(self.options(), self.param_dtype)
 
     @property
     def arithmetic_dtype(self) -> torch.dtype:
         """The dtype the update is computed in (``compute_dtype``, or the optimizers' default)."""
-        return FlatOptimizer._compute_dtype(self.options(), self.param_dtype, self.state_bits)
+        return compute_dtype(self.options(), self.param_dtype, self.state_bits)
 
     @property
     def carries_small_updates(self) -> bool:
