@@ -276,10 +276,6 @@ def availability(cfg: Config) -> tuple[str, str | None]:
             dml_optim.AdamW([probe], **cfg.kwargs)
         except (TypeError, ValueError) as exc:
             return "not available yet", f"dml_optim.AdamW(rounding=\"stochastic\"): {type(exc).__name__}: {exc}"
-        from dml_optim.optimizers.rounders import WIRED
-
-        if not WIRED:
-            return "not available yet", "rounding=\"stochastic\": no rounding call site in core/update.py's run_rule"
     if "backward" in cfg.phase2:
         step_in_backward = _step_in_backward()
         if step_in_backward is None:

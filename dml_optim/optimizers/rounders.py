@@ -9,7 +9,6 @@ resumed run draws what an uninterrupted one would.
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any
 
@@ -18,13 +17,9 @@ import torch
 from dml_optim.core.flat import describe_param, local_tensor
 from dml_optim.core.options import LOW_PRECISION_DTYPES
 from dml_optim.core.rounding import StochasticRounder
-from dml_optim.core.update import run_rule
 
 __all__ = ["rounder", "rounding_state", "load_rounding_state", "check_rounding"]
 
-#: The update's call site writes through a rounder (``run_rule(..., rounding=)``): without it the option is refused
-#: rather than ignored.
-WIRED = "rounding" in inspect.signature(run_rule).parameters
 _ROUNDERS: "weakref.WeakKeyDictionary[Any, dict[str, StochasticRounder]]" = weakref.WeakKeyDictionary()
 
 
@@ -61,6 +56,3 @@ def check_rounding(group: dict[str, Any], gi: int) -> None:
             raise ValueError(f'rounding="stochastic" rounds float16 or bfloat16 parameters, got {p.dtype} '
                              f"({describe_param(p, i, gi)}); convert the model first (model.bfloat16()) or put "
                              'these parameters in a param group of their own with rounding="nearest"')
-    if not WIRED:
-        raise NotImplementedError('rounding="stochastic": this build\'s update rule has no rounding call site '
-                                  '(core/update.py run_rule(..., rounding=)); use rounding="nearest" or kahan=True')
