@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from dml_optim.backends.base import StepRequest, runtime
-from dml_optim.backends.choose import fuses
+from dml_optim.backends.choose import decide, fuses
 from dml_optim.backends.eager import several_counts
 from dml_optim.backends.fused import copies_in, copy_in, reads_in_place
 from dml_optim.core.dtypes import PRECISION_OPTIONS, check_range, precision
@@ -132,7 +132,7 @@ class LayoutMixin:
         already), which reads them where they are, or a step inside backward takes them."""
         if fused is None:
             try:
-                fused = fuses(self, group, flat)
+                fused = decide(self, group, flat).why_not_fused is None  # (not fuses(): it would warn now)
             except (KeyError, TypeError, ValueError):  # (settings not valid yet: the first step decides)
                 fused = True
         flat.adopt = not fused and getattr(self, "_in_backward", None) is None
