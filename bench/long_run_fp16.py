@@ -38,6 +38,11 @@ epsilon 1e-6):
 * ``fp16-kahan-8bit``, ``fp16-kahan-4bit``: ``fp16-kahan`` with 8- or 4-bit
   moments: the smallest footprint (2 + 2 bytes of parameters and compensation,
   about 2 or 1 of state, per parameter).
+* ``fp16-sr``, ``fp16-sr-8bit``, ``fp16-sr-4bit``: the float16 model with
+  ``rounding="stochastic"`` (float32 moments and arithmetic, the result rounded
+  into the float16 parameters up or down with the probabilities that make it
+  unbiased: no compensation buffer) and full, 8- or 4-bit moments; the same
+  loss scaler.  Reported beside ``fp16-kahan`` (not held to the tolerance).
 
 Documented tolerance (checked by ``tests/test_long_run.py`` on a short run and
 reported here for the full one): every logged loss and every parameter stays
@@ -77,7 +82,7 @@ REL_TOL = 0.10
 
 HYPER = dict(lr=1e-3, alpha=0.9, beta=0.999, epsilon=1e-6)
 CONFIGS = ("fp32", "fp16-master", "fp16-kahan", "fp16-storage", "fp32-8bit", "fp32-4bit", "fp16-kahan-8bit",
-           "fp16-kahan-4bit")
+           "fp16-kahan-4bit", "fp16-sr", "fp16-sr-8bit", "fp16-sr-4bit")
 #: The configurations whose final loss must be within the tolerance of ``fp32``'s.
 HELD_TO_TOLERANCE = ("fp16-master", "fp16-kahan", "fp32-8bit", "fp16-kahan-8bit")
 #: Where the JSON goes unless ``--out`` says otherwise (relative to the current folder).
@@ -106,6 +111,10 @@ def build(config: str, seed: int, init_scale: float = 2.0**16):
     elif config in ("fp16-kahan", "fp16-kahan-8bit", "fp16-kahan-4bit"):
         bits = {"fp16-kahan-8bit": 8, "fp16-kahan-4bit": 4}.get(config)
         opt = dml_optim.Adam(model.parameters(), kahan=True, state_bits=bits, **HYPER)
+    elif config in ("fp16-sr", "fp16-sr-8bit", "fp16-sr-4bit"):
+        bits = {"fp16-sr-8bit": 8, "fp16-sr-4bit": 4}.get(config)
+        torch.manual_seed(seed)  # (the rounding generator is seeded from torch.initial_seed())
+        opt = dml_optim.Adam(model.parameters(), rounding="stochastic", state_bits=bits, **HYPER)
     elif config == "fp16-storage":
         opt = dml_optim.Adam(model.parameters(), compute_dtype=torch.float32, **dict(HYPER, epsilon=1e-4))
     else:

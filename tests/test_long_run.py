@@ -77,7 +77,7 @@ def test_kahan_fp16_settings_track_fp32(fp32_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["fp32-8bit", "fp16-kahan-8bit"])
+@pytest.mark.parametrize("config", ["fp32-8bit", "fp16-kahan-8bit", "fp16-sr-8bit"])
 def test_eight_bit_state_tracks_fp32(fp32_run, config):
     result = long_run.run(config, steps=STEPS, log_every=100, data=toy.make_dataset(0))
     _check_finite(result)
