@@ -28,13 +28,14 @@ def dml_adam_report():
 def test_compare_has_every_metric_for_every_configuration(dml_adam_report):
     rep = dml_adam_report
     pairs = {(r.config, r.stream) for r in rep.results}
-    assert pairs == {(c, s) for c in ("fp32", "fp16", "fp16-fp32compute", "fp16-master", "fp16-kahan", "fp32-8bit",
-                                      "fp32-4bit", "fp16-kahan-8bit", "fp16-kahan-4bit")
+    assert pairs == {(c, s) for c in ("fp32", "fp16", "fp16-fp32compute", "fp16-master", "fp16-kahan", "fp16-sr",
+                                      "fp32-8bit", "fp32-4bit", "fp16-kahan-8bit", "fp16-kahan-4bit")
                      for s in ("recorded", "synthetic")}
     for r in rep.results:
         assert set(r.metrics) == set(P.METRICS)
         assert len(r.curve) == 6
-    assert {s["config"] for s in rep.skipped} == {"bf16", "bf16-kahan"}  # DmlAdam: FLOAT32 or FLOAT16, as DirectML
+    # DmlAdam: FLOAT32 or FLOAT16, as DirectML
+    assert {s["config"] for s in rep.skipped} == {"bf16", "bf16-kahan", "bf16-sr", "bf16-sr-8bit", "bf16-sr-4bit"}
     recorded = {r.config: r.metrics for r in rep.results if r.stream == "recorded"}
     assert recorded["fp16"]["first_nonfinite_step"] == 1  # epsilon 1e-8 is 0 in FP16
     assert recorded["fp32"]["final_loss"] is not None and math.isfinite(recorded["fp32"]["final_loss"])
@@ -72,7 +73,7 @@ def test_compare_command_writes_report_json_and_png(tmp_path, capsys):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     doc = json.loads((tmp_path / "report.json").read_text())
     n_configs, n_streams = len(doc["configs"]), len(doc["streams"])
-    assert (n_configs, n_streams) == (11, 2)
+    assert (n_configs, n_streams) == (15, 2)
     assert [c["name"] for c in doc["configs"]] == list(P.CONFIGS)
     assert doc["command"] == ("dml-optim compare --optimizer adam --workload mlp --steps 4 --seed 0 "
                               f"--streams recorded,synthetic --configs {','.join(P.CONFIGS)}")
@@ -152,6 +153,65 @@ def test_low_bit_findings_quote_their_memory_and_the_full_precision_twin():
     assert "power code (levels (k/15)^2)" in four and "asinh-companded code" in four  # (codebook dml-optim-blockwise-2)
     # the 8-bit state drifts less than the 4-bit one, and both more than FP32 arithmetic alone
     assert m["fp32"]["final_rel_error"] < m["fp32-8bit"]["final_rel_error"] < m["fp16-kahan-4bit"]["final_rel_error"]
+
+
+SR_CONFIGS = {"fp16-sr": (torch.float16, None), "bf16-sr": (torch.bfloat16, None),
+              "bf16-sr-8bit": (torch.bfloat16, 8), "bf16-sr-4bit": (torch.bfloat16, 4)}
+
+
+def test_stochastic_rounding_configurations_reach_the_optimizer():
+    # issue 32 item 3: compare runs rounding="stochastic" (no Kahan, no master copy), with FP32 and 8/4-bit states
+    assert set(SR_CONFIGS) <= set(P.CONFIGS)
+    for name, (dtype, bits) in SR_CONFIGS.items():
+        config = P.CONFIGS[name]
+        assert (config.param_dtype, config.state_bits, config.rounding) == (dtype, bits, "stochastic")
+        assert config.stochastic and not config.carries_small_updates
+        assert config.options()["rounding"] == "stochastic"
+        opt = P.make_optimizer("adam", [torch.nn.Parameter(torch.ones(8, dtype=dtype))], config)
+        group = opt.param_groups[0]
+        assert (group["rounding"], group["kahan"], group["master_weights"], group["state_bits"]) == (
+            "stochastic", False, False, bits)
+        assert config.arithmetic_dtype == torch.float32
+    # a round-to-nearest configuration passes the options it always did (no rounding key)
+    assert all("rounding" not in c.options() for c in P.CONFIGS.values() if not c.stochastic)
+
+
+def test_stochastic_rounding_findings_quote_the_run_and_kahan():
+    names = ["bf16", "bf16-kahan", "bf16-sr", "fp16-kahan-8bit", "bf16-sr-8bit"]
+    rep = P.compare("adam", steps=6, seed=3, configs=names, streams=["synthetic"])
+    m = {r.config: r.metrics for r in rep.results}
+    curves = {r.config: r.curve for r in rep.results}
+    err = {n: m[n]["final_rel_error"] for n in names}
+    sr = next(f for f in rep.findings if f.startswith("`bf16-sr` (synthetic stream): BF16 parameters written by "
+                                                      "stochastic rounding"))
+    assert "no compensation buffer" in sr and f"end at relative error {err['bf16-sr']:.3g}" in sr
+    assert f"`bf16` ({err['bf16']:.3g}" in sr or f"plain `bf16` ({err['bf16']:.3g}" in sr
+    # the verdicts follow the measured errors, whichever way they go
+    assert (": closer to the reference than plain `bf16`" in sr) == (err["bf16-sr"] < err["bf16"])
+    assert (": not closer to the reference than plain `bf16`" in sr) == (err["bf16-sr"] >= err["bf16"])
+    if err["bf16-sr"] < err["bf16"]:  # and from which step on, read from the curves
+        below = [x < y for x, y in zip(curves["bf16-sr"], curves["bf16"])]
+        since = next(t for t in range(1, 7) if all(below[t - 1:]))
+        assert (f"below it from step {since} of 6 on" if since > 1 else "below it at every one of the 6 steps") in sr
+    assert ("`bf16-kahan` is still closer" in sr) == (err["bf16-kahan"] < err["bf16-sr"])
+    assert f"({err['bf16-kahan']:.3g}" in sr and "2-byte compensation buffer per parameter" in sr
+    smaller = sum(k < s for k, s in zip(curves["bf16-kahan"], curves["bf16-sr"]))
+    assert f"Kahan's error was the smaller at {smaller} of the 6 steps" in sr
+    # no "lost to rounding" advice for stochastic rounding: its small updates are kept on average
+    assert not any(f.startswith("`bf16-sr") and "lost to rounding" in f for f in rep.findings)
+    low = next(f for f in rep.findings if f.startswith("`bf16-sr-8bit` (synthetic stream): states stored in 8 bits"))
+    assert f"{err['bf16-sr']:.3g} for `bf16-sr` (the same with FP32 states)" in low
+    assert f"`fp16-kahan-8bit` (FP16 parameters with the same 8-bit states" in low
+    assert f"ends at {err['fp16-kahan-8bit']:.3g}" in low
+
+
+def test_stochastic_rounding_runs_are_reproducible_under_the_seed():
+    init = (torch.randn(2000, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16().float()
+    stream = P.synthetic_stream(init, [(2000,)], 4, seed=0)
+    before = torch.get_rng_state()
+    curves = [P.run_stream("adam", stream, [P.CONFIGS["bf16-sr"]], seed=seed)[0][0].curve for seed in (4, 4, 5)]
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's random state is left as it was
+    assert curves[0] == curves[1] and curves[0] != curves[2]  # the same stream: only the rounding's draws differ
 
 
 def test_compare_adamw_names_its_epsilon_eps(tmp_path):

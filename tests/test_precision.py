@@ -168,6 +168,29 @@ def test_kahan_keeps_the_updates_fp16_rounds_away():
     assert 0.6 < kahan["lost_update_fraction"] < 1.0
 
 
+def test_stochastic_rounding_keeps_the_updates_fp16_rounds_away_on_average():
+    # the Kahan case above on 1024 copies of the parameter: each step of 1.0002e-4 is below half an FP16 ULP
+    # at 1.0 (2**-12), so round-to-nearest never moves, while stochastic rounding moves by one ULP with the
+    # probability of the step's size. By hand: each step's rounding error is below one ULP (2**-11 under 1.0),
+    # of mean 0 and independent of the others, so after 40 steps the RMS error per copy is at most
+    # 2**-11 * sqrt(40) / 2 ≈ 1.5e-3, against round-to-nearest's 40 * 1e-4 = 4e-3.
+    n, steps = 1024, 40
+    stream = _stream([1.0] * n, [[1e-4] * n] * steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (as compare() runs buffers this small: thread hand-offs cost more than the ops)
+    try:
+        res, _ = _run("momentum", stream, ["fp16", "fp16-sr"], {"lr": 1.0, "alpha": 0.0})
+    finally:
+        torch.set_num_threads(threads)
+    target = 1.0 - steps * float(torch.tensor(1e-4, dtype=torch.float16))
+    assert res["fp16"].metrics["lost_update_fraction"] == 1.0
+    assert res["fp16"].curve[-1] * target == pytest.approx(1.0 - target, rel=1e-3)  # stayed at 1.0
+    sr = res["fp16-sr"]
+    rms = sr.curve[-1] * target  # ||x - x_ref|| / ||x_ref|| with every x_ref = target: the RMS error per copy
+    assert rms < 2.0**-11 * math.sqrt(steps) / 2
+    assert 0 < sr.metrics["lost_update_fraction"] < 1.0  # moved at some steps, not at others
+
+
 def test_kahan_configurations_allocate_a_compensation_buffer_in_the_parameter_dtype():
     for name, dtype in (("fp16-kahan", torch.float16), ("bf16-kahan", torch.bfloat16)):
         config = P.CONFIGS[name]

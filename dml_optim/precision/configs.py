@@ -2,10 +2,12 @@
 
 A :class:`Config` is a parameter (storage) dtype plus the optimizer options
 that decide the rest: ``state_dtype``, ``compute_dtype``, ``master_weights``
-(an FP32 copy of the parameters) or ``kahan`` (a compensation buffer in the
-parameters' dtype).  :data:`CONFIGS` lists them in the order reports show
+(an FP32 copy of the parameters), ``kahan`` (a compensation buffer in the
+parameters' dtype) or ``rounding="stochastic"`` (the FP32 result rounded into
+the parameters up or down with unbiased probabilities, no buffer).  :data:`CONFIGS` lists them in the order reports show
 them.  The dtypes a configuration ends up with are the optimizers' own rules
-(states and arithmetic in FP32 with master weights or Kahan, unless set),
+(states and arithmetic in FP32 with master weights, Kahan or stochastic
+rounding, unless set),
 read from the optimizer base class, not restated here.
 """
 
@@ -32,12 +34,18 @@ class Config:
     master_weights: bool = False
     kahan: bool = False
     state_bits: int | None = None
+    #: How the FP32 result is written into float16/bfloat16 parameters: ``"nearest"`` or ``"stochastic"``.
+    rounding: str = "nearest"
     description: str = ""
 
     def options(self) -> dict[str, Any]:
-        """The optimizer keyword arguments of this configuration."""
-        return dict(state_dtype=self.state_dtype, compute_dtype=self.compute_dtype,
-                    master_weights=self.master_weights, kahan=self.kahan, state_bits=self.state_bits)
+        """The optimizer keyword arguments of this configuration (``rounding`` only when it is not the
+        default, so a round-to-nearest configuration passes what it always did)."""
+        options = dict(state_dtype=self.state_dtype, compute_dtype=self.compute_dtype,
+                       master_weights=self.master_weights, kahan=self.kahan, state_bits=self.state_bits)
+        if self.rounding != "nearest":
+            options["rounding"] = self.rounding
+        return options
 
     @property
     def stored_state_dtype(self) -> torch.dtype:
@@ -57,6 +65,11 @@ class Config:
         """Updates below half an ULP of the stored parameters are kept (a master copy or a compensation buffer)."""
         return self.master_weights or self.kahan
 
+    @property
+    def stochastic(self) -> bool:
+        """The parameters are written by stochastic rounding: small updates kept on average, not carried."""
+        return self.rounding == "stochastic"
+
 
 #: The configurations ``dml-optim compare`` runs, in order.
 CONFIGS: dict[str, Config] = {
@@ -70,10 +83,16 @@ CONFIGS: dict[str, Config] = {
                description="FP16 parameters, FP32 master weights, FP32 states and arithmetic"),
         Config("fp16-kahan", torch.float16, kahan=True,
                description="FP16 parameters plus an FP16 Kahan compensation buffer, FP32 states and arithmetic"),
+        Config("fp16-sr", torch.float16, rounding="stochastic",
+               description="FP16 parameters written by stochastic rounding (no compensation buffer), FP32 states "
+                           "and arithmetic"),
         Config("bf16", torch.bfloat16, description="bfloat16 parameters, states and arithmetic (CPU/CUDA only)"),
         Config("bf16-kahan", torch.bfloat16, kahan=True,
                description="bfloat16 parameters plus a bfloat16 Kahan compensation buffer, FP32 states and "
                            "arithmetic (CPU/CUDA only)"),
+        Config("bf16-sr", torch.bfloat16, rounding="stochastic",
+               description="bfloat16 parameters written by stochastic rounding (no compensation buffer), FP32 "
+                           "states and arithmetic (CPU/CUDA only)"),
         Config("fp32-8bit", torch.float32, state_bits=8,
                description="FP32 parameters and arithmetic, 8-bit block-quantized states"),
         Config("fp32-4bit", torch.float32, state_bits=4,
@@ -84,6 +103,12 @@ CONFIGS: dict[str, Config] = {
         Config("fp16-kahan-4bit", torch.float16, kahan=True, state_bits=4,
                description="FP16 parameters plus an FP16 Kahan compensation buffer, 4-bit block-quantized "
                            "states, FP32 arithmetic"),
+        Config("bf16-sr-8bit", torch.bfloat16, rounding="stochastic", state_bits=8,
+               description="bfloat16 parameters written by stochastic rounding, 8-bit block-quantized states, "
+                           "FP32 arithmetic (CPU/CUDA only)"),
+        Config("bf16-sr-4bit", torch.bfloat16, rounding="stochastic", state_bits=4,
+               description="bfloat16 parameters written by stochastic rounding, 4-bit block-quantized states, "
+                           "FP32 arithmetic (CPU/CUDA only)"),
     )
 }
 

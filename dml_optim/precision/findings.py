@@ -3,7 +3,9 @@
 :func:`findings` reads a :class:`~dml_optim.precision.report.Report` and
 states, per stream: the configurations ranked by their final error; what FP32
 master weights and Kahan compensation keep that plain FP16/BF16 loses (and at
-what memory); and, per configuration, the causes the metrics point to: an
+what memory); whether stochastic rounding tracks the reference closer than
+plain FP16/BF16, and where Kahan compensation (2 bytes per parameter more)
+is still closer; and, per configuration, the causes the metrics point to: an
 epsilon that is 0 in the arithmetic dtype, a second moment flushed to zero,
 updates lost to rounding, gradients that underflowed on storage.  Each
 sentence quotes the numbers it rests on.
@@ -49,6 +51,8 @@ def findings(report: Report, numel: dict[str, int]) -> list[str]:
             out += _summary_findings(report, stream, rows, by)
         out += [_kahan_finding(r, configs[r.config], by) for r in rows
                 if configs[r.config].kahan and not configs[r.config].state_bits]
+        out += [_stochastic_finding(r, configs[r.config], by) for r in rows
+                if configs[r.config].stochastic and not configs[r.config].state_bits]
         out += [_low_bit_finding(report, r, configs[r.config], by) for r in rows if configs[r.config].state_bits]
         underflow: dict[torch.dtype, tuple[float, list[str]]] = {}
         for r in rows:
@@ -58,7 +62,8 @@ def findings(report: Report, numel: dict[str, int]) -> list[str]:
                 out.append(_nonfinite_finding(report, where, r, cfg, numel[r.stream], by))
             if m["flushed_second_moment_fraction"]:
                 out.append(_flush_finding(report, where, m, cfg))
-            if cfg.param_dtype != torch.float32 and not cfg.carries_small_updates and m["lost_update_fraction"] >= 0.01:
+            if (cfg.param_dtype != torch.float32 and not cfg.carries_small_updates and not cfg.stochastic
+                    and m["lost_update_fraction"] >= 0.01):
                 out.append(_lost_finding(where, m["lost_update_fraction"], cfg, by.get(("fp16-master", r.stream))))
             if m["grad_underflow_fraction"] >= 0.0001:
                 underflow.setdefault(cfg.param_dtype, (m["grad_underflow_fraction"], []))[1].append(f"`{r.config}`")
@@ -118,17 +123,40 @@ def _low_bit_finding(report: Report, r: Result, cfg: Config, by) -> str:
     text = (f"{where}: states stored in {bits} bits per value (blocks of {BLOCK[bits]} sharing one FP32 scale: "
             f"{states * per_state:.3g} bytes per parameter for {states} state{'s' * (states > 1)}, instead of "
             f"{4 * states} in FP32) end at relative error {fmt(m['final_rel_error'])}")
-    full = by.get(("fp16-kahan" if cfg.kahan else "fp32", r.stream))
+    full = by.get((_full_state_twin(r.config, cfg), r.stream))
     if _finite_error(full):
         text += f", against {fmt(full.metrics['final_rel_error'])} for `{full.config}` (the same with FP32 states)"
     if m["final_loss"] is not None and _finite_error(full):
         text += f"; final training loss {fmt(m['final_loss'])} (`{full.config}` {fmt(full.metrics['final_loss'])})"
+    if cfg.stochastic:
+        kahan = [o for c in report.configs if c.kahan and c.state_bits == bits
+                 for o in [by.get((c.name, r.stream))] if _finite_error(o)]
+        for o in kahan:
+            k, own = o.metrics["final_rel_error"], m["final_rel_error"]
+            dtype = next(c for c in report.configs if c.name == o.config).param_dtype
+            size = torch.finfo(dtype).bits // 8
+            if k < own / 1.1:
+                versus = f"{own / k:.3g} times less error"
+            elif k <= own * 1.1:
+                versus = f"within 10% of it ({k / own:.3f} times its error): the states' quantization dominates both"
+            else:
+                versus = f"{k / own:.3g} times more error"
+            text += (f"; `{o.config}` ({_dtype_name(dtype)} parameters with the same {bits}-bit states and a "
+                     f"{size}-byte Kahan compensation buffer per parameter instead of stochastic rounding) ends at "
+                     f"{fmt(k)}, {versus}")
     spans = (f"the first moment's {_code_words(format_for(bits, True))}, "
              f"the second moment's {_code_words(format_for(bits, False))}")
     return text + (f". Each value is rounded to the nearest of its code's {2**bits} levels relative to "
                    f"the largest value of its block ({spans}), so a block holding values of very different sizes "
                    "stores its small values coarsely: the quantization error, not the arithmetic, is what separates "
                    "this configuration from FP32.")
+
+
+def _full_state_twin(name: str, cfg: Config) -> str:
+    """The configuration that differs from the quantized-state ``cfg`` only by its FP32 states."""
+    if cfg.kahan or cfg.stochastic:
+        return name.removesuffix(f"-{cfg.state_bits}bit")  # fp16-kahan-8bit -> fp16-kahan, bf16-sr-4bit -> bf16-sr
+    return "fp32"
 
 
 def _code_words(f) -> str:
@@ -171,6 +199,64 @@ def _kahan_finding(r: Result, cfg: Config, by) -> str:
         text += (f" (plain `{plain.config}` on the same stream ends at {fmt(plain.metrics['final_rel_error'])}, "
                  f"{_pct(plain.metrics['lost_update_fraction'])} of its updates lost)")
     return text + "."
+
+
+def _stochastic_finding(r: Result, cfg: Config, by) -> str:
+    """Stochastic rounding against the plain configuration of its dtype (round to nearest) and against Kahan
+    compensation of the same dtype (a buffer of the parameters' size), from the measured errors."""
+    m = r.metrics
+    dtype = _dtype_name(cfg.param_dtype)
+    size = torch.finfo(cfg.param_dtype).bits // 8
+    where = f"`{r.config}` ({r.stream} stream)"
+    if not math.isfinite(m["final_rel_error"]):
+        return f"{where}: parameters became NaN or inf (first at step {m['first_nonfinite_step']})."
+    err = m["final_rel_error"]
+    text = (f"{where}: {dtype} parameters written by stochastic rounding (FP32 arithmetic, each result rounded up or "
+            f"down with probabilities that make it exact on average; no compensation buffer) end at relative error "
+            f"{fmt(err)}")
+    base = r.config.removesuffix("-sr")
+    plain, kahan = by.get((base, r.stream)), by.get((f"{base}-kahan", r.stream))
+    if _finite_error(plain):
+        p = plain.metrics["final_rel_error"]
+        if err < p:
+            text += (f": closer to the reference than plain `{plain.config}` ({fmt(p)}: {p / err:.3g} times as much "
+                     f"error; {_below_since(r.curve, plain.curve)}), "
+                     f"which lost {_pct(plain.metrics['lost_update_fraction'])} of its updates to round-to-nearest")
+        else:
+            text += f": not closer to the reference than plain `{plain.config}` ({fmt(p)}) on this stream"
+    elif plain is not None:
+        text += f" (plain `{plain.config}`: NaN or inf from step {plain.metrics['first_nonfinite_step']})"
+    text += (f". Its parameters did not change in {_pct(m['lost_update_fraction'])} of the updates, but a step "
+             "below half an ULP still moves the parameter by one ULP with the probability of its size, so small "
+             "updates are kept on average instead of dropped")
+    if _finite_error(kahan):
+        k = kahan.metrics["final_rel_error"]
+        steps = len(r.curve)
+        closer = sum(1 for a, b in zip(kahan.curve, r.curve) if a < b)
+        if k < err:
+            text += (f". `{kahan.config}` is still closer ({fmt(k)}: {err / k:.3g} times less error), at the cost of "
+                     f"a {size}-byte compensation buffer per parameter that stochastic rounding does not keep: Kahan "
+                     "carries each rounding error into the next step, where stochastic rounding's errors only cancel "
+                     f"on average and add up as a random walk (Kahan's error was the smaller at {closer} of the "
+                     f"{steps} steps)")
+        else:
+            text += (f". It is as close as `{kahan.config}` or closer ({fmt(k)}) without Kahan's {size}-byte "
+                     f"compensation buffer per parameter (Kahan's error was the smaller at {closer} of the {steps} "
+                     "steps)")
+    if m["final_loss"] is not None:
+        losses = [(o.config, o.metrics["final_loss"]) for o in (plain, kahan) if _finite_error(o)]
+        text += (f"; final training loss {fmt(m['final_loss'])}"
+                 + "".join(f", `{name}` {fmt(loss)}" for name, loss in losses))
+    return text + "."
+
+
+def _below_since(curve: list[float], other: list[float]) -> str:
+    """From which step ``curve`` stays below ``other`` (both end with ``curve`` below), in words."""
+    below = [a < b for a, b in zip(curve, other)]
+    if all(below):
+        return f"below it at every one of the {len(below)} steps"
+    since = len(below) - below[::-1].index(False) + 1  # the step after the last one not below
+    return f"below it from step {since} of {len(below)} on"
 
 
 def _nonfinite_finding(report: Report, where: str, r: Result, cfg: Config, numel: int, by) -> str:

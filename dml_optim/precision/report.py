@@ -117,7 +117,8 @@ class Report:
             "streams": self.streams,
             "configs": [{"name": c.name, "param_dtype": c.param_dtype, "state_dtype": c.state_dtype,
                          "compute_dtype": c.compute_dtype, "master_weights": c.master_weights,
-                         "kahan": c.kahan, "description": c.description} for c in self.configs],
+                         "kahan": c.kahan, "state_bits": c.state_bits, "rounding": c.rounding,
+                         "description": c.description} for c in self.configs],
             "metrics": list(METRICS),
             "definitions": DEFINITIONS,
             "results": [{"config": r.config, "stream": r.stream, "metrics": r.metrics, "rel_error_per_step": r.curve}
@@ -155,17 +156,20 @@ class Report:
     def save_plot(self, path: str | Path) -> int:
         """Write the divergence plot (needs matplotlib); returns the number of lines drawn."""
         try:
+            from matplotlib import colormaps
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
         except ImportError as exc:
             raise ImportError("the divergence plot needs matplotlib: pip install 'dml-optim[plot]'") from exc
-        fig = Figure(figsize=(13, 6))
+        fig = Figure(figsize=(13, max(6.0, 0.2 * len(self.results) + 1)))  # room for the legend
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
         styles = {"recorded": "-", "synthetic": "--", "gaussian": ":"}
-        colors = {name: f"C{i}" for i, name in enumerate(CONFIGS)}
+        palette = colormaps["tab20"]  # 20 distinct colours (the default cycle repeats after 10)
+        colors = {name: palette(i % palette.N) for i, name in enumerate(CONFIGS)}
         # later configurations drawn thinner, so one that overlaps an earlier one (fp16-kahan on fp16-master) shows both
-        widths = {name: 2.6 - 0.25 * i for i, name in enumerate(CONFIGS)}
+        last = max(len(CONFIGS) - 1, 1)
+        widths = {name: 2.8 - 2.2 * i / last for i, name in enumerate(CONFIGS)}
         for r in self.results:
             y = [v if math.isfinite(v) and v > 0 else math.nan for v in r.curve]
             label = f"{r.config} · {r.stream}"

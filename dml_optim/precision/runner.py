@@ -88,13 +88,23 @@ class _Run:
 
 def run_stream(optimizer: str, stream: Stream, configs: Sequence[Config], *,
                hyperparameters: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None,
-               ) -> tuple[list[Result], list[dict[str, str]], float | None]:
+               seed: int = 0) -> tuple[list[Result], list[dict[str, str]], float | None]:
     """Feed ``stream`` through each configuration and the float64 reference.
 
     Returns ``(results, skipped, reference_loss)``; a configuration the optimizer refuses
     (its constructor raises TypeError/ValueError) is skipped with the reason.
     ``progress``: called as ``progress(t)`` after step ``t``, or None.
+    ``seed``: the stochastic rounders' seed (``rounding="stochastic"`` seeds each optimizer's generator
+    from ``torch.initial_seed()``): the run sets it inside :func:`torch.random.fork_rng`, so the same
+    ``seed`` gives the same numbers and the caller's random state is left as it was.
     """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _run_stream(optimizer, stream, configs, hyperparameters, progress)
+
+
+def _run_stream(optimizer: str, stream: Stream, configs: Sequence[Config], hyperparameters: dict[str, Any] | None,
+                progress: Callable[[int], None] | None) -> tuple[list[Result], list[dict[str, str]], float | None]:
     ref = _Run(REFERENCE, reference_optimizer(optimizer, stream.params(torch.float64), hyperparameters))
     runs, skipped = [], []
     for config in configs:
@@ -184,7 +194,7 @@ def compare(
         workload: ``"mlp"`` (the built-in model) or a model for
             :func:`dml_optim.inventory.resolve_model` (a built-in name such as
             ``gpt2``, or the path of an inventory JSON file).
-        seed: seeds the model, the data and the streams.
+        seed: seeds the model, the data, the streams and the stochastic rounding.
         streams: default ``("recorded", "synthetic")`` for ``mlp`` and
             ``("gaussian", "synthetic")`` for an inventory (which has no model
             to record gradients from).
@@ -240,7 +250,7 @@ def _compare(optimizer: str, steps: int, workload: str, seed: int, streams: tupl
             progress(before + t, steps * len(streams))
 
         res, skip, ref_loss = run_stream(optimizer, stream, [CONFIGS[n] for n in names],
-                                         hyperparameters=hyperparameters,
+                                         hyperparameters=hyperparameters, seed=seed,
                                          progress=None if progress is None else step_done)
         results += res
         skipped += skip
