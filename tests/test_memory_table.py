@@ -29,7 +29,7 @@ PRECISION_PAGE = README.parent / "docs" / "guide" / "precision.md"
 
 #: (parameters, gradients, states, master copy, compensation) in bytes per parameter, by hand from the dtypes:
 #: FP32 4 bytes, FP16/BF16 2; Adam and AdamW keep two states (exp_avg, exp_avg_sq), in FP32 with master
-#: weights or Kahan and in the parameters' dtype otherwise (fp16-fp32compute: FP16 states, FP32 arithmetic).
+#: weights, Kahan or stochastic rounding and in the parameters' dtype otherwise (fp16-fp32compute: FP16 states, FP32 arithmetic).
 EXPECTED = {
     "fp32": (4, 4, 8, 0, 0),
     "fp16": (2, 2, 4, 0, 0),
@@ -44,6 +44,11 @@ EXPECTED = {
     "fp32-4bit": (4, 4, None, 0, 0),
     "fp16-kahan-8bit": (2, 2, None, 0, 2),
     "fp16-kahan-4bit": (2, 2, None, 0, 2),
+    # stochastic rounding: FP32 states as with Kahan, no compensation buffer
+    "fp16-sr": (2, 2, 8, 0, 0),
+    "bf16-sr": (2, 2, 8, 0, 0),
+    "bf16-sr-8bit": (2, 2, None, 0, 0),
+    "bf16-sr-4bit": (2, 2, None, 0, 0),
 }
 
 
