@@ -374,7 +374,7 @@ def bench_section(cpu: dict, cuda: dict) -> str:
 #: (workload, optimizer) per row of the headline speed table.
 _HEADLINE_SPEED = tuple((w, o) for w in ("resnet50", "bert-base-uncased", "gpt2", "many-small") for o in ("adam", "adamw"))
 #: The configurations of the headline precision table, in its order.
-_HEADLINE_PRECISION = ("fp32", "fp16", "fp16-master", "fp16-kahan", "bf16", "bf16-kahan", "fp32-8bit", "fp32-4bit")
+_HEADLINE_PRECISION = ("fp32", "fp16", "fp16-master", "fp16-kahan", "bf16", "bf16-sr", "bf16-kahan", "fp32-8bit", "fp32-4bit")
 COMPARE_REPORT = "docs/compare-report.md"
 
 
