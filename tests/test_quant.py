@@ -262,8 +262,9 @@ def test_a_full_state_is_exact(fmt):
 @pytest.mark.skipif(not compile_available("cpu")[0], reason=f"torch.compile unavailable: {compile_available('cpu')[1]}")
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_compiled_encode_gives_the_eager_codes(fmt):
-    """The same scales; the same codes, but for a value the compiled kernel's vectorized ``asinh`` or ``sqrt``
-    (a last-bit difference) puts on the other side of a rounding boundary: one level apart, rarely."""
+    """The same scales and, for the second codebook (the compiled kernel's bucket lookup, found from the eager
+    encoder), the same codes bit for bit; the first codebook's compiled ``log10`` may put a value on the other
+    side of a rounding boundary: one level apart, rarely."""
     v = _blocks(fmt, seed=7)
     Q.warm_tables(fmt, torch.float32, torch.device("cpu"))
     codes, scales = _encode(v, fmt)
@@ -279,8 +280,51 @@ def test_compiled_encode_gives_the_eager_codes(fmt):
     assert torch.equal(s2, scales)
     if fmt.bits == 4:
         codes, c2 = (torch.stack((c % 16, c // 16), -1).flatten() for c in (codes, c2))
+    if not fmt.legacy:
+        assert torch.equal(c2, codes)
+        return
     differ = codes.int() - c2.int()
     assert differ.abs().max() <= 1 and (differ != 0).sum() <= max(1, codes.numel() // 1000)
+
+
+def _wrapped(bits: torch.Tensor) -> torch.Tensor:
+    """int64 bit patterns (0 .. 2**32 - 1) as int32."""
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+
+
+@pytest.mark.parametrize("fmt", CURRENT, ids=lambda f: f.name)
+def test_the_bucket_encoder_gives_the_eager_codes_at_every_edge_and_between(fmt):
+    """The compiled kernel's encoder (:func:`quant.encode_buckets`: a bucket of the float's sign, exponent and top
+    mantissa bits, one table entry, one compare) against the one definition of a code (:func:`quant.compand_`,
+    the eager encoder's ops) on: every float32 within 4 ulps of each bucket's edge and of each bucket's ends
+    (every place a code can change), and a million values spread uniformly and log-uniformly over
+    ``[-divisor, divisor]`` (``[0, divisor]`` unsigned), subnormals and zeros of both signs included; up to
+    1.01 times the divisor (a value over its block's divisor is at most the divisor, to rounding)."""
+    shift, entry = Q.bucket_tables(fmt, "cpu")
+    n = entry.numel()
+    bucket = torch.arange(n, dtype=torch.int64)
+    low = (entry >> 10).to(torch.int64)
+    has_edge = (((entry >> 8) & 3) != 1) & (low > 0)
+    starts = (bucket << shift) & 0xFFFFFFFF
+    places = [starts[has_edge] + low[has_edge], starts, starts + (1 << shift) - 1]
+    bits = torch.cat([p + d for p in places for d in range(-4, 5)])
+    bits = _wrapped(bits.clamp(0, (1 << 32) - 1))
+    y = bits.view(torch.float32)
+    D = fmt.divisor
+    y = y[(y.abs() <= 1.01 * D) & (y >= 0 if not fmt.signed else y == y)]  # (|y| <= divisor, to rounding)
+    g = torch.Generator().manual_seed(3)
+    spread = [torch.rand(1 << 19, generator=g) * D,
+              torch.exp(torch.empty(1 << 19).uniform_(-100.0, math.log(D), generator=g)),
+              torch.tensor([0.0, -0.0, 1e-45, 1e-40, D, 1.01 * D, float(np.nextafter(np.float32(D), np.float32(0)))])]
+    if fmt.signed:
+        spread += [-t for t in spread]
+    y = torch.cat([y] + [t[t >= 0] if not fmt.signed else t for t in spread]).to(torch.float32)
+    y = torch.cat([y, torch.zeros((-y.numel()) % 256)])  # (whole blocks: the eager ops' vectorized loop)
+    want = Q.compand_(y.clone(), fmt)
+    got = Q.encode_buckets(y, fmt)
+    bad = (want != got).nonzero().flatten()
+    assert bad.numel() == 0, [(y[i].item(), want[i].item(), got[i].item()) for i in bad[:5]]
+    assert has_edge.sum() >= 2 * fmt.magnitudes if fmt.signed else fmt.magnitudes  # every level's edge is found
 
 
 @pytest.mark.parametrize("fmt", CURRENT, ids=lambda f: f.name)

@@ -130,9 +130,13 @@ def kernel(key: KernelKey | MaskedKey):
 
         raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
         options = _options(key.device)
-        if isinstance(key, MaskedKey) and _has_option("assert_indirect_indexing"):
-            # the owner index is ours (built from the layout, in range by construction): no bounds check per element
+        if (isinstance(key, MaskedKey) or any(key.formats)) and _has_option("assert_indirect_indexing"):
+            # the owner index is ours (built from the layout, in range by construction), and so are a quantized
+            # state's table indices (a code byte into a 256-entry table, a masked bucket number): no bounds
+            # check per element
             options = {**(options or {}), "assert_indirect_indexing": False}
+        if not isinstance(key, MaskedKey) and any(key.formats):
+            options = {**(options or {}), **_RECOMPUTE}
         if _direct_eligible(key):  # (fn._dml_direct: how to call it without dynamo, after its first call)
             capture = _Capture(options)
             fn = _torch_compile(raw, dynamic=True, backend=capture)
@@ -142,6 +146,16 @@ def kernel(key: KernelKey | MaskedKey):
         fn._dml_code = raw.__code__
         _KERNELS[key] = fn
     return fn
+
+
+#: Inductor options of a kernel with quantized states: inline every pointwise value into its readers (never
+#: realize one for having many reads or ops), so the decoded states and the rule's results are recomputed
+#: from the codes and the gradient in the second loop instead of stored as float buffers between loops:
+#: the kernel makes two passes per chunk (one to find the new block maxima, one to write the parameters and
+#: the codes), reading codes and gradients twice and writing nothing else (16M elements, 8-bit AdamW: six
+#: loops and two 64 MB float buffers written and read again before).
+_RECOMPUTE = {name: 1 << 20 for name in ("realize_opcount_threshold", "realize_reads_threshold",
+                                          "realize_acc_reads_threshold") if _has_option(name)}
 
 
 def clear_cache() -> None:

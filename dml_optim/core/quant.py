@@ -81,6 +81,9 @@ __all__ = [
     "warm_tables",
     "encode_",
     "encode_into",
+    "compand_",
+    "bucket_tables",
+    "encode_buckets",
     "decode",
     "decode_into",
     "block_mask",
@@ -265,6 +268,9 @@ def format_for(bits: int, signed: bool, codebook: str | None = None) -> StateFor
 
 
 _BY_NAME = {f.name: f for book in CODEBOOKS.values() for f in book.values()}
+#: ``1 / divisor`` of each closed-form format, computed once (a compiled kernel reads a constant; computed from
+#: the format's fields while dynamo traces, ``K ** (1 / p)`` became a ``pow`` per element).
+_INVERSE_DIVISOR = {f.name: 1.0 / f.divisor for f in _BY_NAME.values() if not f.legacy}
 
 
 def format_named(name: str) -> StateFormat:
@@ -304,20 +310,33 @@ def _constant(value: float, dtype: torch.dtype, device) -> torch.Tensor:
 
 def warm_tables(fmt: StateFormat, dtype: torch.dtype, device: torch.device) -> None:
     """Create ``fmt``'s tables for ``dtype`` on ``device`` now (outside a compiled region, which then only reads them)."""
+    warm = (fmt.name, dtype, str(device))
+    if warm in _WARM:
+        return
     if fmt.kind == "de":
         _decade_tables(fmt, dtype, device)
     _table(f"{fmt.name}/levels", fmt.levels(), dtype, device)
     _levels(fmt, dtype, device)
     for value in (_TINY, float(fmt.base), 0.0):
         _constant(value, dtype, device)
+    if not fmt.legacy and dtype == torch.float32:
+        bucket_tables(fmt, device)
+    _WARM.add(warm)
+
+
+#: ``(format name, dtype, device)`` whose tables :func:`warm_tables` made (the compiled backend warms every
+#: call: the check is one set lookup, not the table's values computed again).
+_WARM: set[tuple] = set()
 
 
 def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``table[index]`` elementwise: ``index_select`` eagerly (7x faster than advanced indexing on the CPU),
     ``aten::index`` when compiled (the kernel loads the table in place; an ``index_select`` over the
     flattened index makes inductor index the output modulo the row count).  Both are native on DirectML."""
-    if _compiling():
-        return table[index]
+    if _compiling():  # (an embedding: inductor's lowering neither wraps negative indices nor checks bounds)
+        if table.dim() == 1:
+            return torch.nn.functional.embedding(index, table.view(-1, 1)).view(index.shape)
+        return torch.nn.functional.embedding(index, table)
     return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
 
 
@@ -400,12 +419,7 @@ def encode_into(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         col.copy_(peak)
     torch.add(_constant(_TINY, dtype, device), peak, alpha=1.0 / fmt.divisor, out=s)  # (a zero block: 0 / tiny)
     v.div_(s)
-    if fmt.kind == "asinh":
-        v.asinh_()
-        torch.add(_constant(float(fmt.base), dtype, device), v, alpha=fmt.gain, out=v)
-    else:
-        v.pow_(fmt.param)
-    v.round_()
+    compand_(v, fmt)
     if fmt.bits == 4:
         pairs = v.view(-1, 2)
         low = pairs[:, 0]
@@ -415,21 +429,102 @@ def encode_into(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         codes.view(-1, b).copy_(v)
 
 
+def compand_(y: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """The code of every ``y`` (a value divided by its block's divisor), in place, as a float: **the one
+    definition of a code** of the second codebook (``asinh``: ``round(base + gain * asinh(y))``; ``pow``:
+    ``round(y**p)``).  The eager encoder runs it; the compiled kernel's bucket tables (:func:`bucket_tables`)
+    are found from it, so both give the same codes bit for bit."""
+    if fmt.kind == "asinh":
+        y.asinh_()
+        torch.add(_constant(float(fmt.base), y.dtype, y.device), y, alpha=fmt.gain, out=y)
+    else:
+        y.pow_(fmt.param)
+    return y.round_()
+
+
+#: Bucket tables per (format, device): ``(shift, first, edge, step)`` (:func:`bucket_tables`).
+_BUCKETS: dict[tuple, tuple] = {}
+
+
+def _codes_of_bits(bits: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """:func:`compand_` of the float32 values whose bit patterns are ``bits`` (int32), in whole blocks."""
+    n = bits.numel()
+    padded = torch.zeros(-(-n // 256) * 256, dtype=torch.int32, device=bits.device)
+    padded[:n] = bits
+    return compand_(padded.view(torch.float32).clone(), fmt)[:n]
+
+
+def bucket_tables(fmt: StateFormat, device) -> tuple[int, torch.Tensor]:
+    """The compiled encoder's lookup ``(shift, entry)``: float32 ``y`` falls in bucket ``bits(y) >> shift``
+    (its sign, exponent and top mantissa bits); a bucket's int32 entry holds the code of its smallest
+    magnitude (bits 0-7), the change of code at its edge plus one (bits 8-9: 0, 1 or 2; at most one change
+    per bucket) and the edge, the low ``shift`` bits of the first magnitude that takes the changed code
+    (bits 10 up).  Found from :func:`compand_` run on ``device`` (the eager encoder's own ops, there): each
+    bucket's ends, then a bisection over the bit patterns of the buckets whose ends differ.  The mantissa
+    bits are the fewest that leave no bucket with two changes (a code's levels are at least 1.6% apart:
+    4 bits for the 8-bit asinh code, 7 for the 8-bit power code).  A bucket beyond twice the divisor (a
+    block's values give ``|y| <= divisor``; inf, NaN) gets no edge, and its code clamped to ``[0, 255]``."""
+    device = torch.device(device)
+    key = (fmt.name, str(device))
+    got = _BUCKETS.get(key)
+    if got is not None:
+        return got
+    for m in range(2, 12):
+        shift = 23 - m
+        n = 1 << (32 - shift)
+        b = torch.arange(n, dtype=torch.int64, device=device)
+        lo = ((b << shift) & 0xFFFFFFFF).to(torch.int64)
+        lo = torch.where(lo >= 1 << 31, lo - (1 << 32), lo).to(torch.int32)  # the smallest magnitude (wrapped)
+        hi = lo | ((1 << shift) - 1)  # the largest
+        first, last = _codes_of_bits(lo, fmt), _codes_of_bits(hi, fmt)
+        finite = (lo & 0x7FFFFFFF).view(torch.float32) <= 2 * fmt.divisor  # (|y| <= divisor: the rest never occurs)
+        if not fmt.signed:
+            finite &= lo >= 0  # (an unsigned state's y is >= 0: -0.0 at most)
+        step = torch.where(finite, last - first, torch.zeros((), device=device))
+        if bool((step.abs() > 1).any()):
+            continue
+        change = step != 0
+        low, high = lo.clone(), hi.clone()  # per bucket: code(low) == first, code(high) != first
+        for _ in range(shift):
+            mid = low + ((high - low) >> 1)
+            same = _codes_of_bits(mid, fmt) == first
+            low = torch.where(same, mid, low)
+            high = torch.where(same, high, mid)
+        # one int32 per bucket: its first code (8 bits; a bucket beyond the range or NaN: its code clamped),
+        # step + 1 (2 bits), the low ``shift`` bits of its edge (0 where it has none: step 0 then)
+        code = torch.nan_to_num(first, nan=0.0).clamp(0, 255).to(torch.int32)
+        low = torch.where(change, high & ((1 << shift) - 1), torch.zeros((), dtype=torch.int32, device=device))
+        entry = code | ((step.to(torch.int32) + 1) << 8) | (low << 10)
+        got = _BUCKETS[key] = (shift, entry)
+        return got
+    raise ValueError(f"{fmt.name}: no bucket width with at most one code change per bucket")  # pragma: no cover
+
+
+def encode_buckets(y: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """The codes of float32 ``y`` (as floats) by :func:`bucket_tables`: a shift, a compare and one gather
+    from a small table per element, no transcendental function; equal to :func:`compand_` bit for bit
+    wherever ``|y| <= 1.01 * divisor`` (a block's values give ``|y| <= divisor``, to rounding; beyond, a code
+    over 255 is clamped), tests/test_quant.py checks every edge and its neighbours."""
+    shift, entry = bucket_tables(fmt, y.device)
+    bits = y.view(torch.int32)
+    e = _gather(entry, (bits >> shift) & ((1 << (32 - shift)) - 1))
+    below = (bits & ((1 << shift) - 1)) < (e >> 10)
+    return torch.where(below, e & 255, (e & 255) + ((e >> 8) & 3) - 1).to(y.dtype)
+
+
 def _encode_functional(v: torch.Tensor, fmt: StateFormat, mask: torch.Tensor | None):
     """``(codes as float indices, absmax)`` of ``v`` (``(blocks, block)``), out of place: the compiled
-    kernel's encoder (one fused loop; no table)."""
+    kernel's encoder (one fused loop; float32: the bucket lookup of :func:`encode_buckets`)."""
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     if mask is not None:
         v = torch.where(mask, v, zero)
     a = v.abs() if fmt.signed else v
     absmax = torch.amax(a, dim=1, keepdim=True)
-    y = v / (absmax * (1.0 / fmt.divisor) + _TINY)
+    y = v / (absmax * _INVERSE_DIVISOR[fmt.name] + _TINY)
+    if y.dtype == torch.float32:
+        return encode_buckets(y, fmt), absmax
     if fmt.kind == "asinh":
         k = torch.asinh(y) * fmt.gain + fmt.base
-    elif fmt.param == 0.25:
-        k = torch.sqrt(torch.sqrt(y))
-    elif fmt.param == 0.5:
-        k = torch.sqrt(y)
     else:
         k = torch.pow(y, fmt.param)
     return torch.round(k), absmax
