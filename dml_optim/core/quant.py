@@ -36,7 +36,8 @@ largest magnitude index: 127 or 7 signed, 255 or 15 unsigned):
 Both are one closed-form expression per element, no decade search: the eager
 encoder is 6 (unsigned) or 7 (signed) ops per block range, each in place or
 into an ``out=`` tensor the caller keeps, all native on DirectML; the compiled
-one a few vectorized instructions (``sqrt``, ``asinh``).  A decode is one
+one (float32) a lookup on the float's bits, a shift, one gather from a small table and a compare, whose
+table is found from the eager encoder (:func:`bucket_tables`): the same codes bit for bit.  A decode is one
 gather from the format's 256- or 16-entry table (4 bits: a 256 x 2 table of
 byte -> two values, no unpacking ops) and one multiply by the block scale.
 
@@ -331,9 +332,10 @@ _WARM: set[tuple] = set()
 
 def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``table[index]`` elementwise: ``index_select`` eagerly (7x faster than advanced indexing on the CPU),
-    ``aten::index`` when compiled (the kernel loads the table in place; an ``index_select`` over the
-    flattened index makes inductor index the output modulo the row count).  Both are native on DirectML."""
-    if _compiling():  # (an embedding: inductor's lowering neither wraps negative indices nor checks bounds)
+    an ``embedding`` when compiled (the kernel loads the table in place; an ``index_select`` over the
+    flattened index makes inductor index the output modulo the row count, and ``aten::index`` wraps negative
+    indices per element: the embedding's lowering does neither).  Both are native on DirectML."""
+    if _compiling():
         if table.dim() == 1:
             return torch.nn.functional.embedding(index, table.view(-1, 1)).view(index.shape)
         return torch.nn.functional.embedding(index, table)
