@@ -173,6 +173,7 @@ class BufferRuntime:
     hyper: dict | None = None  # the compiled backend's 0-d hyperparameter tensors: {name: [value, tensor]}
     repeated: bool = False  # the last step repeated its plan (no layout work, no new decision)
     read: dict | None = field(default=None)  # the gradients the last step read in place: {id: version}
+    pads: tuple | None = None  # the eager backend's (offsets, {(a, b): padding positions}) of a quantized buffer
 
 
 #: Each live buffer's runtime, by the buffer's id; an entry leaves with its buffer (a finalizer): a lookup is one

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
-import weakref
 
 import torch
 
@@ -160,21 +159,16 @@ def scratch_budget(numel: int) -> int:
     return max(MIN_SCRATCH, int(SCRATCH_PER_ELEMENT * numel))
 
 
-#: Per quantized buffer (by id, dropped with the buffer): ``(offsets, {(a, b): padding positions})``.
-_PADS: dict[int, tuple] = {}
-
-
 def padding_positions(flat, a: int, b: int) -> torch.Tensor | None:
     """The padding positions of elements ``[a, b)`` of an aligned buffer, relative to ``a`` (int64 on the
-    device, from the host's layout, built once per layout and range; None where the range has none)."""
+    device, from the host's layout, built once per layout and range and kept in the buffer's runtime record;
+    None where the range has none)."""
     if flat.valid is None:
         return None
-    cached = _PADS.get(id(flat))
-    if cached is None:
-        cached = _PADS[id(flat)] = (flat.offsets, {})
-        weakref.finalize(flat, _PADS.pop, id(flat), None)
-    elif cached[0] is not flat.offsets:  # a new layout
-        cached = _PADS[id(flat)] = (flat.offsets, {})
+    rt = runtime(flat)
+    cached = rt.pads
+    if cached is None or cached[0] is not flat.offsets:  # (none yet, or a new layout)
+        cached = rt.pads = (flat.offsets, {})
     known = cached[1]
     if (a, b) not in known:
         where = [j - a for i, n in enumerate(flat.sizes)
