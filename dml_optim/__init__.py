@@ -13,10 +13,11 @@ __version__ = "0.1.0"
 
 from dml_optim.core import functional
 from dml_optim.training.amp import DynamicLossScaler
+from dml_optim.training.backward import StepInBackward, step_in_backward
 from dml_optim.training.clip import clip_grad_norm_
 from dml_optim.dml.device import device
 from dml_optim.optimizers import SGD, Adagrad, Adam, AdamW, DmlAdam, FlatOptimizer, Momentum
 from dml_optim.optimizers.registry import OPTIMIZERS
 
 __all__ = ["Adam", "AdamW", "Adagrad", "Momentum", "SGD", "DmlAdam", "FlatOptimizer", "DynamicLossScaler", "clip_grad_norm_",
-           "OPTIMIZERS", "functional", "device", "__version__"]
+           "step_in_backward", "StepInBackward", "OPTIMIZERS", "functional", "device", "__version__"]

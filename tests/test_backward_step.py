@@ -1,8 +1,10 @@
-"""The step inside backward (dml_optim/training/backward.py, a prototype on the optimizer's public API).
+"""The step inside backward (dml_optim/training/backward.py; EngineMixin.step_run).
 
-Bit for bit against a plain loop (forward, backward, step, zero_grad(set_to_none=True)) for every optimizer
-on the backend the prototype takes (torch's fused kernels: the CPU's default for float32/float64), whatever
-the run size, with a scheduler, unused and frozen parameters; state_dict equal; the refusals at setup.
+Bit for bit against a plain loop (forward, backward, step, zero_grad(set_to_none=True)) for every optimizer,
+on every backend (torch's fused kernels, the eager rule: DirectML's path, the compiled kernel) and precision
+mode (low-bit states, float16/bfloat16 with Kahan summation or master weights), whatever the run size, with a
+scheduler, unused and frozen parameters; state_dict equal; no flat gradient buffer, nothing re-packed;
+stochastic rounding reproducible; the refusals at setup and the changes a backward refuses.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dml_optim.core.quant import BLOCK
 from dml_optim.optimizers.registry import OPTIMIZERS, build
 from dml_optim.training.backward import StepInBackward, step_in_backward
 
@@ -102,9 +105,8 @@ def test_float64_frozen_parameters_and_runs():
 
 def test_runs_are_cut_by_bytes_and_small_runs_join_a_neighbour():
     """A run closes once half full when the next parameter would overflow it; a run averaging fewer elements
-    than the fused backend reads in place joins its neighbour (gathered, it would allocate the flat gradient
-    buffer)."""
-    from dml_optim.backends.fused import LIST_MIN_ELEMENTS
+    than SMALL_RUN_ELEMENTS joins its neighbour (a step of its own would cost a whole step's dispatches)."""
+    from dml_optim.training.backward import SMALL_RUN_ELEMENTS
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 256),
@@ -114,7 +116,7 @@ def test_runs_are_cut_by_bytes_and_small_runs_join_a_neighbour():
     assert [p for run in handle.runs for p in run.params] == list(net.parameters())
     assert len(handle.runs) >= 2
     for run in handle.runs:  # no run of small parameters only; at most one parameter of run_bytes
-        assert any(p.numel() >= LIST_MIN_ELEMENTS for p in run.params)
+        assert any(p.numel() >= SMALL_RUN_ELEMENTS for p in run.params)
         assert sum(p.numel() * 4 >= handle.run_bytes for p in run.params) <= 1
     assert handle.runs[0].params == [net[0].weight]
 
@@ -184,13 +186,146 @@ def test_refusals_name_what_to_change():
         step_in_backward(_opt(), run_bytes=-1)
 
 
-@pytest.mark.parametrize("options", [dict(backend="eager"), dict(state_bits=8), dict(backend="compiled")],
-                         ids=["eager", "8-bit", "compiled"])
-def test_backends_that_re_pack_are_refused_until_the_planner_steps_ranges(options):
-    """The eager and compiled backends re-pack a buffer whose stepping parameters are in pieces (every run's
-    case), moving parameters backward still reads: refused at setup, naming the backend and what to do."""
-    with pytest.raises(ValueError, match="re-pack.*optimizer.step\\(\\) after backward"):
-        step_in_backward(_opt(**options))
+def _wide_net(dtype):
+    torch.manual_seed(0)
+    return _Net(128).to(dtype)
+
+
+def _wide_batch(i: int, dtype):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(16, 128, generator=g).to(dtype), torch.randn(16, 8, generator=g).to(dtype)
+
+
+def _train_wide(net, opt, steps: int, dtype, *, inside: bool):
+    for i in range(steps):
+        x, y = _wide_batch(i, dtype)
+        torch.nn.functional.mse_loss(net(x, side=i % 2 == 1), y).backward()
+        if not inside:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a, b) or bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
+_BACKENDS = [
+    ("adamw", torch.float32, dict(backend="eager")),
+    ("adam", torch.float32, dict(backend="eager")),
+    ("dml-adam", torch.float32, dict(backend="eager")),
+    ("adagrad", torch.float32, dict(backend="eager")),
+    ("momentum", torch.float32, dict(backend="eager")),
+    ("sgd", torch.float32, dict(backend="eager")),
+    ("adamw", torch.float32, dict(backend="eager", state_bits=8)),
+    ("adamw", torch.float32, dict(backend="eager", state_bits=4)),
+    ("adam", torch.float32, dict(backend="eager", state_bits=8)),
+    ("adagrad", torch.float32, dict(backend="eager", state_bits=4)),
+    ("adamw", torch.float32, dict(state_bits=8)),
+    ("adamw", torch.bfloat16, dict(backend="eager", kahan=True, state_bits=8)),
+    ("adamw", torch.bfloat16, dict(backend="eager", master_weights=True)),
+    ("adamw", torch.float16, dict(backend="eager", kahan=True)),
+    ("adamw", torch.float64, dict(backend="eager")),
+    pytest.param("adamw", torch.float32, dict(backend="compiled"), marks=pytest.mark.slow),
+    pytest.param("adamw", torch.float32, dict(backend="compiled", state_bits=8), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name, dtype, options", _BACKENDS,
+                         ids=[f"{p.values[0] if hasattr(p, 'values') else p[0]}-"
+                              f"{str((p.values if hasattr(p, 'values') else p)[1]).replace('torch.', '')}-"
+                              + "-".join(f"{k}={v}" for k, v in (p.values if hasattr(p, "values") else p)[2].items())
+                              for p in _BACKENDS])
+@pytest.mark.parametrize("run_bytes", [0, 1 << 30], ids=["runs", "one-run"])
+def test_every_backend_equals_the_plain_step_bit_for_bit(name, dtype, options, run_bytes):
+    """The eager rule (DirectML's path), the compiled kernel and low-bit states step a run in place, reading
+    its gradients from a window the size of the run: parameters and state_dict equal the plain loop's bit for
+    bit; no flat gradient buffer exists, no parameter moved, the window holds the largest run only."""
+    plain, inside = _wide_net(dtype), _wide_net(dtype)
+    opt_a = build(name, list(plain.parameters()), lr=1e-3, **options)
+    opt_b = build(name, list(inside.parameters()), lr=1e-3, **options)
+    handle = step_in_backward(opt_b, run_bytes=run_bytes)
+    before = [p.data_ptr() for p in inside.parameters()]
+    _train_wide(plain, opt_a, 4, dtype, inside=False)
+    _train_wide(inside, opt_b, 4, dtype, inside=True)
+    assert handle.steps >= 4
+    assert [p.data_ptr() for p in inside.parameters()] == before  # (nothing re-packed)
+    for p, q in zip(plain.parameters(), inside.parameters()):
+        assert _equal(p, q)
+    sa, sb = opt_a.state_dict(), opt_b.state_dict()
+    for k, st in sa["state"].items():
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor):
+                assert _equal(v, sb["state"][k][key]), (k, key)
+    infos = opt_b.flat_buffers()
+    assert all(info.grad is None for info in infos)  # (no gradient buffer of the model's size)
+    for k, info in enumerate(infos):
+        if info.backend == "fused":
+            assert info.window is None  # (torch's kernel reads the gradients where autograd left them)
+            continue
+        # (the largest run's elements, each parameter's block padding, the zero element)
+        largest = max(sum(p.numel() + max(BLOCK.values()) - 1 for p in run.params) for run in handle.runs if run.buffer == k)
+        assert info.window is not None and info.window.numel() <= largest + 1
+    if run_bytes == 0:
+        assert len(handle.runs) > len(infos)  # (several runs per buffer: the window is a run's, not the model's)
+    handle.remove()
+    assert all(info.window is None for info in opt_b.flat_buffers())
+
+
+def test_stochastic_rounding_steps_inside_backward_reproducibly():
+    """bf16 parameters, rounding="stochastic" and 8-bit states: the random draws follow backward's order, so the
+    results are the plain loop's in distribution (within one bf16 step of it), and equal under one seed."""
+    def trained():
+        net = _wide_net(torch.bfloat16)
+        opt = build("adamw", list(net.parameters()), lr=1e-3, rounding="stochastic", state_bits=8)
+        step_in_backward(opt, run_bytes=0)
+        _train_wide(net, opt, 4, torch.bfloat16, inside=True)
+        return net
+    torch.manual_seed(1)
+    a = trained()
+    torch.manual_seed(1)
+    b = trained()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    torch.manual_seed(1)
+    plain = _wide_net(torch.bfloat16)
+    opt = build("adamw", list(plain.parameters()), lr=1e-3, rounding="stochastic", state_bits=8)
+    _train_wide(plain, opt, 4, torch.bfloat16, inside=False)
+    for p, q in zip(plain.parameters(), a.parameters()):
+        step = torch.finfo(torch.bfloat16).eps * p.float().abs().clamp_min(1e-3)
+        assert ((p.float() - q.float()).abs() <= 4 * step + 1e-3 * 4).all()
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(nonfinite="raise"), 'nonfinite="raise"'),
+    (dict(atomic=True), "atomic=True"),
+    (dict(capturable=True), "capturable=True"),
+])
+def test_whole_step_options_are_refused_at_setup(options, match):
+    with pytest.raises(ValueError, match=match):
+        step_in_backward(_opt(backend="eager", **options))
+
+
+def test_a_backward_after_freezing_or_re_binding_without_refresh_raises():
+    """Frozen after setup, or re-bound: the runs no longer match the model; the next backward raises, naming
+    refresh(), and after refresh() the loop goes on equal to the plain one."""
+    plain, inside = _wide_net(torch.float32), _wide_net(torch.float32)
+    opt_a = build("adamw", list(plain.parameters()), lr=1e-3, backend="eager")
+    opt_b = build("adamw", list(inside.parameters()), lr=1e-3, backend="eager")
+    handle = step_in_backward(opt_b, run_bytes=0)
+    _train_wide(plain, opt_a, 2, torch.float32, inside=False)
+    _train_wide(inside, opt_b, 2, torch.float32, inside=True)
+    for net in (plain, inside):
+        net.side.requires_grad_(False)
+    x, y = _wide_batch(5, torch.float32)
+    with pytest.raises(RuntimeError, match="refresh"):
+        torch.nn.functional.mse_loss(inside(x, side=False), y).backward()
+    opt_b.zero_grad(set_to_none=True)
+    handle.refresh()
+    _train_wide(plain, opt_a, 2, torch.float32, inside=False)
+    _train_wide(inside, opt_b, 2, torch.float32, inside=True)
+    assert _same(plain, inside)
+    inside.head.weight.data = inside.head.weight.data.clone()  # re-bound away from the flat buffer
+    with pytest.raises(RuntimeError, match="re-bound.*refresh"):
+        torch.nn.functional.mse_loss(inside(x, side=False), y).backward()
 
 
 def test_handle_is_a_context_manager():

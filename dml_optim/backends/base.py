@@ -21,9 +21,12 @@ fields), :class:`CompiledPlan` (one ``torch.compile``'d kernel per class, keyed 
 :class:`~dml_optim.core.update.KernelKey`), :class:`FusedPlan` (torch's fused CPU kernels:
 :class:`KernelCall` s).
 
-Entry point for a step of part of a buffer (a range, when its gradients are complete): a
-:class:`StepRequest` whose buffer's step classes cover that range, planned and run through the same
-functions (:func:`dml_optim.backends.choose.plan_step`, :func:`~dml_optim.backends.choose.run_plan`).
+Entry point for a step of part of a buffer (a range, when its gradients are complete: the step inside
+backward): a :class:`StepRequest` whose buffer's active step classes are that range and whose ``window``
+holds the range's gradients (:meth:`dml_optim.core.flat.FlatBuffer.fill_window`; no flat gradient
+buffer), planned and run through the same functions (:func:`dml_optim.backends.choose.plan_step`,
+:func:`~dml_optim.backends.choose.run_plan`); every backend reads a range's gradients through
+:func:`grad_range`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from dml_optim.core.steps import StepClass
 from dml_optim.core.update import KernelKey
 
 __all__ = ["Backend", "StepRequest", "ClassUpdate", "MaskedUpdate", "KernelCall", "Plan", "EagerPlan",
-           "CompiledPlan", "FusedPlan", "Decision", "BufferRuntime", "runtime"]
+           "CompiledPlan", "FusedPlan", "Decision", "BufferRuntime", "runtime", "grad_range"]
 
 
 class StepRequest(NamedTuple):
@@ -50,6 +53,19 @@ class StepRequest(NamedTuple):
     finite: torch.Tensor | None = None  # the device's gate (nonfinite="skip", loss scaling), None: ungated
     grads: list | None = None  # per parameter, the gradient read where it is (fused), None: the flat buffer
     copied: bool = False  # ``grads`` were copied into the flat buffer this step (fused: read there, remembered)
+    window: tuple[torch.Tensor, int] | None = None  # (gradients of a range, its first element): the range steps alone
+
+
+def grad_range(flat, window: tuple[torch.Tensor, int] | None, start: int, end: int) -> torch.Tensor:
+    """The gradients of elements ``[start, end)`` of ``flat``: a slice of ``window`` (a request's: a range
+    stepping alone, :attr:`StepRequest.window`) or, without one, of the flat gradient buffer."""
+    if window is None:
+        return flat.grad[start:end]
+    tensor, first = window
+    if start < first or end - first > tensor.numel():
+        raise RuntimeError(f"dml_optim: elements [{start}, {end}) are outside the gradient window "
+                           f"[{first}, {first + tensor.numel()})")
+    return tensor[start - first:end - first]
 
 
 class ClassUpdate(NamedTuple):
@@ -174,6 +190,7 @@ class BufferRuntime:
     repeated: bool = False  # the last step repeated its plan (no layout work, no new decision)
     read: dict | None = field(default=None)  # the gradients the last step read in place: {id: version}
     pads: tuple | None = None  # the eager backend's (offsets, {(a, b): padding positions}) of a quantized buffer
+    window: torch.Tensor | None = None  # the gradients of the range stepping inside backward (grown to the largest)
 
 
 #: Each live buffer's runtime, by the buffer's id; an entry leaves with its buffer (a finalizer): a lookup is one

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from dml_optim.backends import eager as _eager
-from dml_optim.backends.base import CompiledPlan, MaskedUpdate, StepRequest, runtime
+from dml_optim.backends.base import CompiledPlan, MaskedUpdate, StepRequest, grad_range, runtime
 from dml_optim.backends.direct import _Capture, _Direct, _direct_eligible, _make_direct
 from dml_optim.backends.inductor import (_dynamo_counters, _denormals_flushed, _emulates_casts, _frames_compiled,
                                          _has_option, _options, compile_available)
@@ -261,7 +261,8 @@ class CompiledBackend:
             _eager.forget_device_counts(flat)
             return
         for update in plan.updates:
-            if plan.key is None or not self.call(opt, group, flat, update.step_class, request.finite, plan.key):
+            if plan.key is None or not self.call(opt, group, flat, update.step_class, request.finite, plan.key,
+                                                         request.window):
                 _eager.apply_class(request, update, plan)
 
     @staticmethod
@@ -282,9 +283,10 @@ class CompiledBackend:
             out.append(slot[1])
         return out
 
-    def call(self, opt, group, flat, c, finite, key: KernelKey | None = None) -> bool:
-        """Run class ``c`` of ``flat`` through its kernel (``key``: this step's, when the caller has it);
-        False when it must run eagerly instead (the caller does)."""
+    def call(self, opt, group, flat, c, finite, key: KernelKey | None = None, window=None) -> bool:
+        """Run class ``c`` of ``flat`` through its kernel (``key``: this step's, when the caller has it;
+        ``window``: the range's gradients, :attr:`StepRequest.window`); False when it must run eagerly instead
+        (the caller does)."""
         counting = counting_kernels()
         if opt is None or opt in _FALLEN_BACK or is_compiling() or (dispatch_mode_active() and counting is None):
             return False
@@ -302,7 +304,7 @@ class CompiledBackend:
         start, end = flat.segment(c.first, c.stop)
         chunk = self._chunk(key, flat, end - start)
         if chunk >= end - start:
-            return self._launch(opt, key, self._operands(key, group, flat, start, end, c.tensor, finite),
+            return self._launch(opt, key, self._operands(key, group, flat, start, end, c.tensor, finite, window),
                                 flat.device, counting)
         # a quantized buffer in chunks (the kernel's temporaries, its decoded states, stay within the eager
         # scratch bound); the kernel advances the count it is given: every chunk but the last gets a copy
@@ -310,7 +312,7 @@ class CompiledBackend:
         for a in range(start, end, chunk):
             b = min(a + chunk, end)
             count = c.tensor if b == end else spare.copy_(c.tensor)
-            if not self._launch(opt, key, self._operands(key, group, flat, a, b, count, finite), flat.device,
+            if not self._launch(opt, key, self._operands(key, group, flat, a, b, count, finite, window), flat.device,
                                 counting):
                 if a != start:  # pragma: no cover - a compile failure surfaces at the first chunk
                     raise RuntimeError("dml_optim: the compiled kernel failed after its first chunk")
@@ -329,8 +331,9 @@ class CompiledBackend:
         return chunk_elements(numel, 4 * n, ops_per_chunk=0, align=flat.align,
                               max_scratch=_eager.scratch_budget(flat.numel))
 
-    def _operands(self, key: KernelKey, group, flat, start: int, end: int, count, finite) -> list:
-        """The kernel's operands over elements ``[start, end)`` of ``flat``, ``count`` its step count tensor."""
+    def _operands(self, key: KernelKey, group, flat, start: int, end: int, count, finite, window=None) -> list:
+        """The kernel's operands over elements ``[start, end)`` of ``flat``, ``count`` its step count tensor
+        (the gradients from ``window`` when given: :func:`~dml_optim.backends.base.grad_range`)."""
         whole = start == 0 and end == flat.numel
         if flat.bits:  # every operand as (blocks, block): one row count for the whole kernel (and no modulo)
             cut = lambda t: t[start:end].view(-1, flat.align) if isinstance(t, torch.Tensor) else t[start:end]  # noqa: E731
@@ -346,7 +349,10 @@ class CompiledBackend:
             states.append(state)
         hyper = self._hyper(flat, key.names, group, coefficient_dtype(flat.device, key.compute_dtype))
         x = flat.master if flat.master is not None else flat.data
-        values = {"x": cut(x), "g": cut(flat.grad), "T": count, "finite": finite,
+        grad = cut(flat.grad) if window is None else grad_range(flat, window, start, end)
+        if window is not None and flat.bits:
+            grad = grad.view(-1, flat.align)
+        values = {"x": cut(x), "g": grad, "T": count, "finite": finite,
                   "params_out": cut(flat.data) if flat.master is not None else None,
                   "comp": cut(flat.kahan) if flat.kahan is not None else None,
                   "valid": flat.block_valid(start, end)}

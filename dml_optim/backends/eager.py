@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, StepRequest, runtime
+from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, StepRequest, grad_range, runtime
 from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, converts
 from dml_optim.core.options import CHUNK_ELEMENTS
 from dml_optim.core.quant import chunk_elements
@@ -263,7 +263,8 @@ class EagerBackend:
             # (a repeat: the same buffer, structure, classes and scratch; only the host scalars are new)
             return EagerPlan(request, updates=plan_updates(request), chunk=last.chunk, scratch=last.scratch,
                              timed=timed, converts=last.converts, compiled_buffer=compiled)
-        if finite is None and len(flat.counter.classes) > 1 and masks(group, flat, masked_kernel):
+        if (finite is None and request.window is None and len(flat.counter.classes) > 1
+                and masks(group, flat, masked_kernel)):  # (a range stepping alone: one update per class)
             ensure_scratch(request.opt, group, flat, True, compiled or masked_kernel)
             return EagerPlan(request, masked=masked_plan(request, masked_kernel),
                              scratch=tuple(flat.scratch))
@@ -342,11 +343,11 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
         chunk = rule_scratch[0].numel() if rule_scratch and not scratch_full else end - start
         for a in range(start, end, chunk or 1):
             b = min(a + chunk, end)
-            if a == 0 and b == flat.numel:  # the common case: the whole buffer, no view op
+            if a == 0 and b == flat.numel and request.window is None:  # the common case: the whole buffer, no view op
                 xs, gs, ss = x, flat.grad, [flat.states[n] for n in names]
                 rule = list(rule_scratch) if scratch_full else []
             else:
-                xs, gs, ss = x[a:b], flat.grad[a:b], [flat.states[n][a:b] for n in names]
+                xs, gs, ss = x[a:b], grad_range(flat, request.window, a, b), [flat.states[n][a:b] for n in names]
                 rule = [s[a:b] for s in rule_scratch] if scratch_full else [s[: b - a] for s in rule_scratch]
             rule += [None] * (cls.scratch_slots - len(rule))
             if finite is None:
@@ -365,7 +366,7 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
     for a in range(start, end, chunk):
         b = min(a + chunk, end)
         k = b - a
-        run_rule(cls, x[a:b], flat.grad[a:b], [flat.states[n][a:b] for n in names], scalars,
+        run_rule(cls, x[a:b], grad_range(flat, request.window, a, b), [flat.states[n][a:b] for n in names], scalars,
                  compute_dtype=cdtype, finite=finite, params_out=out[a:b] if out is not None else None,
                  comp=flat.kahan[a:b] if flat.kahan is not None else None,
                  valid=flat.block_valid(a, b) if not flat.bits else None,

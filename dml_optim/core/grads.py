@@ -190,6 +190,43 @@ class GradientsMixin:
                 self.params[i].grad = self.grad_view(i)
         return True
 
+    def fill_window(self, grads: dict[int, torch.Tensor], out: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Lay out ``grads`` (position in the buffer -> gradient) as the buffer lays out their parameters, in
+        the first elements of ``out`` (a tensor of the buffer's dtype whose last element is zero and stays so):
+        ``(window, its first element in the buffer)``, the window covering the parameters from the first to the
+        last of ``grads``.  One ``cat`` (a ``copy_`` for one gradient without padding); padding and the slots of
+        parameters between them without a gradient read zero.  For a range that steps alone (the step inside
+        backward): no flat gradient buffer.  Raises (nothing written) for a gradient unlike its parameter."""
+        first, stop = min(grads), max(grads) + 1
+        start, end = self.segment(first, stop)
+        if end - start >= out.numel():
+            raise RuntimeError(f"dml_optim: a gradient window of {out.numel() - 1} elements cannot hold "
+                               f"[{start}, {end})")
+        zero = out[-1:]
+        pieces = []
+        for i in range(first, stop):
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            g = grads.get(i)
+            if g is None:
+                pieces.append(zero.expand(hi - lo))
+                continue
+            g = local_tensor(g)
+            if (g.shape != self.shapes[i] or g.dtype != self.dtype or g.device != self.device
+                    or g.layout != torch.strided):
+                raise TypeError(f"gradient of parameter {i} of the buffer ({tuple(g.shape)}, {g.dtype}, {g.device}, "
+                                f"{g.layout}) is unlike the parameter ({tuple(self.shapes[i])}, {self.dtype}, "
+                                f"{self.device}, dense)")
+            pieces.append(g.reshape(-1))
+            if hi - lo > self.sizes[i]:
+                pieces.append(zero.expand(hi - lo - self.sizes[i]))
+        window = out[:end - start]
+        with torch.no_grad():
+            if len(pieces) == 1:
+                window.copy_(pieces[0])
+            else:
+                torch.cat(pieces, out=window)
+        return window, start
+
     def attach_grads(self) -> None:
         """Point every ``p.grad`` at its view of the flat gradient buffer (staged: no-op)."""
         self.ensure_grad()

@@ -13,6 +13,10 @@ with a gradient) and runs the update through the one backend interface (:mod:`dm
   step checks cheaply what could have changed (each group's settings, a scheduler's new scalars
   validated alone; frozen parameters; each buffer's bindings) and plans again through the same
   function, skipping the layout work: every backend, DirectML's eager path included;
+* **one range of a buffer** (:meth:`EngineMixin.step_run`, the step inside backward): the parameters of a
+  run whose gradients are complete step alone, through the same plan and commit: their gradients read where
+  autograd left them (torch's fused kernel) or laid out in a run-sized window
+  (:meth:`~dml_optim.core.flat.FlatBuffer.fill_window`); no flat gradient buffer, no re-pack;
 * **non-finite gradients**: one device-side reduction per buffer (``nonfinite="skip"`` gates the step on
   it; ``"raise"`` reads it: one sync).
 """
@@ -29,10 +33,12 @@ from dml_optim.backends.choose import fuses, plan_step, run_plan
 from dml_optim.backends.eager import ensure_scratch
 from dml_optim.backends.fused import _present, copies_in, copy_in, reads_in_place, remember_read
 from dml_optim.backends.modes import dispatch_mode_active
+from dml_optim.core.dtypes import precision
 from dml_optim.core.flat import FlatBuffer, describe_param
 from dml_optim.core.grads import _FAST_ATTRIBUTES, _GRAD
 from dml_optim.optimizers.layout import unfrozen
 from dml_optim.optimizers.settings import unchanged
+from dml_optim.optimizers.states import ensure_state
 
 __all__ = ["EngineMixin", "Steady"]
 
@@ -283,3 +289,63 @@ class EngineMixin:
         flat.counter.split(active)
         copy_in(flat, grads)
         return grads, True
+
+    # -- one range of a buffer, inside backward ------------------------------------------------------------
+
+    def set_in_backward(self, handle) -> None:
+        """Hand fresh gradients to ``handle`` (a :class:`dml_optim.training.backward.StepInBackward`), or back
+        to the buffers' own hooks (None): while a step inside backward takes them, no buffer moves a gradient
+        into its flat gradient buffer (:attr:`~dml_optim.core.flat.FlatBuffer.adopt`); the window each buffer
+        kept for its runs goes when the handle does."""
+        self._in_backward = handle
+        for group, flats in self.buffers_by_group():
+            for flat in flats:
+                if handle is not None:
+                    flat.adopt = False
+                else:
+                    runtime(flat).window = None
+                    flat.adopt = not fuses(self, group, flat)
+
+    @torch.no_grad()
+    def step_run(self, buffer: int, grads: dict[int, torch.Tensor]) -> None:
+        """Step the parameters of flat buffer ``buffer`` (:meth:`flat_buffers`' order) that ``grads`` names (their
+        positions in the buffer -> their gradients), alone, now: what the step inside backward calls when a run's
+        gradients are complete (:mod:`dml_optim.training.backward`).
+
+        The same rule, checks and bookkeeping as a plain step of those parameters: the group's settings
+        validated (a scheduler's new ``lr``), their step counts advanced alone (the buffer's other parameters
+        keep theirs), through :func:`~dml_optim.backends.choose.plan_step` and the commit.  torch's fused kernel
+        reads the gradients where they are; the other backends read them from a window the size of the run,
+        kept per buffer (grown to the largest run; :meth:`~dml_optim.core.flat.FlatBuffer.fill_window`).
+        Nothing re-packs and no flat gradient buffer is made.  Raises before writing for a gradient unlike its
+        parameter and for settings that do not validate."""
+        found = [(gi, group, flat) for gi, (group, flats) in enumerate(self.buffers_by_group()) for flat in flats]
+        if not 0 <= buffer < len(found):
+            raise IndexError(f"buffer {buffer} out of range: the optimizer has {len(found)} flat buffers")
+        gi, group, flat = found[buffer]
+        layout = self._layout[gi]
+        candidate, synced = self._settings(gi, group)
+        settings = group if candidate is None else candidate
+        if flat.precision is not None and flat.precision != precision(settings):
+            raise ValueError(f"param_groups[{gi}]: precision options changed from {flat.precision} to "
+                             f"{precision(settings)} after the states were allocated; build a new optimizer")
+        self._settle(gi, candidate, synced)
+        rt = runtime(flat)
+        rt.settings, rt.structure = layout.checked, layout.structure
+        if fuses(self, group, flat):
+            listed = [None] * len(flat.params)
+            for i, g in grads.items():
+                listed[i] = g if g.is_contiguous() else g.contiguous()
+            request = StepRequest(self, group, flat, None, listed, False)
+        else:
+            first, stop = min(grads), max(grads) + 1
+            start, end = flat.segment(first, stop)
+            out = rt.window
+            if out is None or out.numel() <= end - start or out.dtype != flat.dtype or out.device != flat.device:
+                rt.window = out = None  # (the old one freed before the new one is made)
+                out = rt.window = torch.zeros(end - start + 1, dtype=flat.dtype, device=flat.device)
+            request = StepRequest(self, group, flat, window=flat.fill_window(grads, out))
+        ensure_state(type(self), group, flat)
+        flat.counter.split([i in grads for i in range(len(flat.params))])
+        self._steady = None
+        self._run([request], lambda group, flat: None)

@@ -34,7 +34,10 @@ class BufferInfo:
     ``repeated``, whether its last step repeated the step before (no layout
     work, the plan made again by the same backend); ``eager_seconds``, the
     time its eager steps took so far under ``backend="auto"`` (the clock of
-    compiling later, :data:`~dml_optim.backends.choose.AUTO_COMPILE_AFTER_EAGER_S`).
+    compiling later, :data:`~dml_optim.backends.choose.AUTO_COMPILE_AFTER_EAGER_S`);
+    ``window``, the gradients of the last run the step inside backward stepped
+    (:func:`dml_optim.step_in_backward`: sized to the buffer's largest run, one
+    element more; None without it, or where torch's fused kernel reads them in place).
     """
 
     group: int
@@ -54,6 +57,7 @@ class BufferInfo:
     decisions: int = 0
     repeated: bool = False
     eager_seconds: float = 0.0
+    window: torch.Tensor | None = None
 
 
 def buffer_infos(opt) -> list[BufferInfo]:
@@ -68,6 +72,6 @@ def buffer_infos(opt) -> list[BufferInfo]:
                 numel=flat.numel, data=flat.data, grad=flat.grad, states=dict(flat.states), master=flat.master,
                 kahan=flat.kahan, scratch=tuple(flat.scratch), step_counts=tuple(flat.counter.counts()),
                 step_classes=len(flat.counter.classes), backend=backend, decisions=rt.decisions,
-                repeated=rt.repeated, eager_seconds=rt.eager_s,
+                repeated=rt.repeated, eager_seconds=rt.eager_s, window=rt.window,
             ))
     return out

@@ -1,4 +1,4 @@
-"""The optimizer step inside backward (a prototype on the optimizer's public API).
+"""The optimizer step inside backward.
 
 :func:`step_in_backward` makes a dml_optim optimizer step each *run* of
 parameters as soon as autograd has produced all of the run's gradients, during
@@ -9,67 +9,66 @@ nothing), and autograd's gradients of the whole model never exist at once
 (the technique of torch's tutorial "How to save memory by fusing the optimizer
 step into the backward pass", torchtune's optimizer-in-backward, LOMO).
 
-**Runs.** The parameters of each flat buffer, in the buffer's order, are cut
-greedily into runs of about ``run_bytes`` bytes of gradient: a run closes
-once it holds half of ``run_bytes`` and the next parameter would take it
+**Runs.** The trainable parameters of each flat buffer, in the buffer's order,
+are cut greedily into runs of about ``run_bytes`` bytes of gradient: a run
+closes once it holds half of ``run_bytes`` and the next parameter would take it
 past ``run_bytes`` (so a bias joins the weight after it instead of stepping
 alone; a parameter larger than ``run_bytes`` is a run of its own), and a run
-whose parameters average fewer elements than the fused backend reads in place
-(``LIST_MIN_ELEMENTS``) joins its neighbour in the same buffer.  The
-default, ``None``, is the larger of the largest parameter's gradient and
-1 MiB.  Gradient memory is then bounded by about two runs (the one being
+whose parameters average fewer elements than :data:`SMALL_RUN_ELEMENTS` joins
+its neighbour in the same buffer (a step of its own would cost a whole step's
+dispatches).  The default, ``None``, is the larger of the largest parameter's
+gradient and 1 MiB.  Each parameter gets a post-accumulate-grad hook (torch >=
+2.1): it takes the parameter's gradient (``p.grad`` back to None, the tensor
+kept by the run); when the run has all of its gradients, the optimizer steps
+exactly those parameters (:meth:`~dml_optim.optimizers.engine.EngineMixin.step_run`)
+and the gradients are dropped.  A run some of whose parameters got no gradient
+in this backward (an unused branch) steps at the end of backward (an autograd
+engine callback) with those it has, as a plain step would.
+
+**Memory.** Gradient memory is bounded by about two runs (the one being
 completed and the next one's first gradients) plus the gradients autograd
-produces out of the buffer's order.  Each
-parameter gets a post-accumulate-grad hook (torch >= 2.1): it takes the
-parameter's gradient (``p.grad`` back to None, the tensor kept by the run);
-when the run has all of its gradients, they are handed back and
-``optimizer.step()`` runs with only them present, which steps exactly those
-parameters (a step skips parameters without a gradient), then they are
-dropped.  A run some of whose parameters got no gradient in this backward
-(an unused branch) steps at the end of backward (an autograd engine callback)
-with those it has, as a plain step would.  Frozen parameters (no
-``requires_grad``) get no hook; call :meth:`StepInBackward.refresh` after
-freezing or unfreezing, or after adding a param group.
+produces out of the buffer's order, and one *window* per buffer of the largest
+run's size: torch's fused kernel (the CPU's default for float32 and float64
+parameters with plain states) reads a run's gradients where autograd left them;
+every other backend (eager: DirectML's path; compiled; low-bit states; float16
+and bfloat16 parameters with Kahan summation or stochastic rounding) reads them
+from the window, filled with one ``cat``.  No flat gradient buffer of the
+model's size is made, and nothing is re-packed: a run steps in place, its own
+step counts advancing alone.
 
 **Same results as a plain step**, bit for bit per parameter: every parameter
 with a gradient steps once per backward with its own step count, after its
 gradient is complete (autograd runs a parameter's accumulation after every use
 of it in the graph, so no later part of this backward reads its value), with the
 group's hyperparameters of that moment (schedulers step between iterations,
-as before).  ``state_dict``, low-bit state and frozen parameters work as they do.
+as before).  ``state_dict``, low-bit state and frozen parameters work as they
+do.  With ``rounding="stochastic"`` the random draws follow the order the runs
+step in (backward's), so results equal a plain step's in distribution, and are
+reproducible under a seed, but not draw for draw.
 
 **Refused at setup** (``ValueError`` naming what to change), because they need
-every gradient of the model before the first parameter steps:
+every gradient of the model before the first parameter steps, or a step of the
+whole model at once:
 
 * global-norm clipping (``max_norm=``): the norm is of all gradients
   together; clip per parameter (``torch.nn.utils.clip_grad_value_`` in a hook
   of your own) or step after backward;
 * gradient accumulation (``accumulation_steps > 1``): each backward steps;
 * a loss scaler (``scaler=``: ``torch.amp.GradScaler``,
-  :class:`dml_optim.DynamicLossScaler`) and ``nonfinite="skip"``: whether to
-  skip a step is decided on all gradients; use bf16 autocast, or step after backward;
+  :class:`dml_optim.DynamicLossScaler`), ``nonfinite="skip"`` and
+  ``nonfinite="raise"``: whether to skip or refuse a step is decided on all
+  gradients; use bf16 autocast, or step after backward;
+* ``atomic=True`` (a failed step rolls back whole) and ``capturable=True`` (a
+  step captured in a CUDA graph): both are about the whole step;
 * DDP and FSDP (``model=`` wrapped by them, or DTensor parameters): their
   reduction runs in buckets during backward, and the step would read an
   unreduced gradient.
 
 Under ``torch.nn.utils.clip_grad_norm_`` called after backward anyway, there is
-no gradient left to clip: pass ``max_norm`` to be told at setup.
-
-**Backends: the fused one only, in this prototype** (refused at setup
-otherwise).  It steps through ``optimizer.step()``, the public API, with the
-other runs' gradients absent.  The fused backend (torch's kernels: the CPU's
-default for float32 and float64 parameters with plain states) keeps the
-buffer's order whatever gradients are absent and reads the present ones where
-they are (runs of at least 16k elements per parameter on average), so no flat
-gradient buffer is allocated and gradient memory is bounded by the runs.  The
-eager and compiled backends re-pack a buffer whose parameters with a gradient
-are in pieces at one step count, which is every run's case: a re-pack moves
-parameters that the rest of backward still reads (writing into the same
-storage through the full-size scratch gives wrong gradients; into a new one,
-a copy of the model per run), and their steps gather gradients into the
-model-sized flat gradient buffer.  Both need the planner to step one range of
-a buffer in place with its gradients read where they are (the second phase of
-this work); a guard raises if a step inside backward ever moves a parameter.
+no gradient left to clip: pass ``max_norm`` to be told at setup.  Freezing or
+unfreezing parameters, re-binding them (``model.to()``) or adding a param group
+needs :meth:`StepInBackward.refresh`; a backward that finds one of these changed
+raises, naming it, instead of stepping the wrong parameters.
 """
 
 from __future__ import annotations
@@ -83,11 +82,16 @@ __all__ = ["step_in_backward", "StepInBackward", "DEFAULT_MIN_RUN_BYTES"]
 
 #: The smallest default run: small parameters (biases, norms) are grouped up to this many bytes of gradient.
 DEFAULT_MIN_RUN_BYTES = 1 << 20
+#: A run whose parameters average fewer elements than this joins its neighbour (a step of its own costs a whole
+#: step's dispatches; torch's fused kernel reads gradients this large where they are, in one call per list).
+SMALL_RUN_ELEMENTS = 1 << 12
 
 
 @dataclass
 class _Run:
     params: list[torch.nn.Parameter]
+    buffer: int = 0  # the flat buffer (flat_buffers()' order)
+    positions: list[int] = field(default_factory=list)  # each parameter's position in the buffer
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # position in params -> gradient
 
     @property
@@ -96,7 +100,7 @@ class _Run:
 
 
 def _refuse(optimizer, *, max_norm, accumulation_steps, scaler, model) -> None:
-    if not hasattr(optimizer, "flat_buffers") or not isinstance(optimizer, torch.optim.Optimizer):
+    if not hasattr(optimizer, "step_run") or not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"step_in_backward needs a dml_optim optimizer, got {type(optimizer).__name__}")
     if max_norm is not None:
         raise ValueError(
@@ -112,11 +116,22 @@ def _refuse(optimizer, *, max_norm, accumulation_steps, scaler, model) -> None:
             f"scaler={type(scaler).__name__}: a loss scaler skips the whole step when any gradient overflowed, "
             "which is known only after the last gradient; train in bfloat16 without a scaler, or call "
             "optimizer.step() after backward")
-    for group in optimizer.param_groups:
-        if group.get("nonfinite") == "skip":
+    for gi, group in enumerate(optimizer.param_groups):
+        if group.get("nonfinite") in ("skip", "raise"):
             raise ValueError(
-                'nonfinite="skip" skips the whole step when any gradient is not finite, which is known only after '
-                'the last gradient; use nonfinite="propagate" or "raise", or call optimizer.step() after backward')
+                f'param_groups[{gi}]: nonfinite="{group["nonfinite"]}" decides on every gradient of the model '
+                'whether the step happens, which is known only after the last gradient; use '
+                'nonfinite="propagate", or call optimizer.step() after backward')
+        if group.get("capturable"):
+            raise ValueError(
+                f"param_groups[{gi}]: capturable=True is for a whole step captured in a CUDA graph; the step inside "
+                "backward steps run by run during backward: build the optimizer with capturable=False, or call "
+                "optimizer.step() after backward")
+    if getattr(optimizer, "atomic", False):
+        raise ValueError(
+            "atomic=True rolls a failed step back whole, and the step inside backward steps run by run (a failure "
+            "would leave the runs before it stepped): build the optimizer with atomic=False, or call "
+            "optimizer.step() after backward")
     if model is not None:
         wrapper = type(model).__name__
         if wrapper in ("DistributedDataParallel", "FullyShardedDataParallel") or type(model).__module__.startswith(
@@ -151,80 +166,93 @@ class StepInBackward:
         self._handles: list[Any] = []
         self._queued = False
         self._all: list[torch.nn.Parameter] = []
-        self.steps = 0  # optimizer.step() calls made inside backward (introspection, tests)
+        self._trainable: list[bool] = []  # every parameter's requires_grad at setup (a backward checks it again)
+        self._ptrs: list[int] = []  # every hooked parameter's data pointer at setup
+        self.steps = 0  # runs stepped inside backward (introspection, tests)
         self.refresh()
 
     # -- setup ------------------------------------------------------------------------------------------------
 
-    def _check_backends(self) -> None:
-        for n, info in enumerate(self.optimizer.flat_buffers()):
-            if info.backend != "fused":
-                raise ValueError(
-                    f"flat buffer {n} (group {info.group}, {str(info.dtype).replace('torch.', '')} on "
-                    f"{info.device.type}) runs the {info.backend!r} backend: its step may re-pack the buffer "
-                    "(moving parameters that backward still reads) and gathers gradients into the model-sized "
-                    "flat gradient buffer. This prototype steps inside backward only where every buffer runs "
-                    "torch's fused kernel (the CPU's default for float32 and float64 parameters with plain "
-                    "states); elsewhere call optimizer.step() after backward")
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _ordered_params(self) -> list[list[torch.nn.Parameter]]:
-        """Each flat buffer's trainable parameters in buffer order, then those of no buffer (one list each)."""
-        out, seen = [], set()
+    def _buffers(self) -> list[list[tuple[int, torch.nn.Parameter]]]:
+        """Each flat buffer's trainable parameters, in buffer order, with their positions in it."""
+        out = []
         for info in self.optimizer.flat_buffers():
             params = self.optimizer.param_groups[info.group]["params"]
-            ps = [params[i] for i in info.param_indices]
-            seen.update(id(p) for p in ps)
-            out.append([p for p in ps if p.requires_grad])
-        for group in self.optimizer.param_groups:
-            rest = [p for p in group["params"] if id(p) not in seen and p.requires_grad]
-            if rest:
-                out.append(rest)
+            out.append([(pos, params[i]) for pos, i in enumerate(info.param_indices) if params[i].requires_grad])
         return out
 
+    def _outside(self, buffers) -> list[torch.nn.Parameter]:
+        seen = {id(p) for ps in buffers for _, p in ps}
+        return [p for p in self._params() if p.requires_grad and id(p) not in seen]
+
     def refresh(self) -> None:
-        """Cut the runs and hook the parameters again (after freezing, unfreezing, a new param group)."""
+        """Cut the runs and hook the parameters again (after freezing, unfreezing, re-binding parameters, a new
+        param group).  Parameters trainable now that were frozen when the optimizer was built are packed first
+        (a step with no gradient: it writes nothing); raises if some parameter holds a gradient then."""
         self.remove()
-        self._check_backends()
-        buffers = self._ordered_params()
-        sizes = [p.numel() * p.element_size() for ps in buffers for p in ps]
+        buffers = self._buffers()
+        if self._outside(buffers) or self._moved(buffers):
+            if any(p.grad is not None for p in self._params()):
+                raise RuntimeError(
+                    "step_in_backward: some parameters are trainable but not packed yet (frozen when the optimizer "
+                    "was built) or were re-bound, and some parameters hold a gradient: call optimizer.zero_grad("
+                    "set_to_none=True) first, then refresh()")
+            self.optimizer.step()  # (no gradient: nothing steps; the layout packs and adopts them)
+            buffers = self._buffers()
+            outside = self._outside(buffers)
+            if outside:
+                raise ValueError(f"step_in_backward: {len(outside)} trainable parameters are in no flat buffer of "
+                                 "the optimizer; call optimizer.step() after backward")
+        sizes = [p.numel() * p.element_size() for ps in buffers for _, p in ps]
         self.run_bytes = (self.run_bytes_option if self.run_bytes_option is not None
                           else max([DEFAULT_MIN_RUN_BYTES, *sizes]))
         self.runs = []
-        for ps in buffers:
+        for k, ps in enumerate(buffers):
             run, used = None, 0
-            for p in ps:
+            for pos, p in ps:
                 size = p.numel() * p.element_size()
                 # a run closes once it holds half its bytes and the next parameter would overflow it: a small
                 # parameter (a bias) joins the large one after it instead of stepping alone
                 if run is None or used + size > self.run_bytes and 2 * used >= self.run_bytes:
-                    run, used = _Run([]), 0
+                    run, used = _Run([], k), 0
                     self.runs.append(run)
                 run.params.append(p)
+                run.positions.append(pos)
                 used += size
         self._merge_small_runs()
         for run in self.runs:
-            for pos, p in enumerate(run.params):
-                self._where[id(p)] = (run, pos)
+            for j, p in enumerate(run.params):
+                self._where[id(p)] = (run, j)
         self._all = [p for run in self.runs for p in run.params]
+        self._trainable = [p.requires_grad for p in self._params()]
+        self._ptrs = [p.data_ptr() for p in self._all]
+        self.optimizer.set_in_backward(self)
         for p in self._all:
             self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
 
+    def _moved(self, buffers) -> bool:
+        """Some trainable parameter no longer lives in its flat buffer (re-bound: ``model.to()``, ``p.data = t``)."""
+        for info, ps in zip(self.optimizer.flat_buffers(), buffers):
+            lo = info.data.data_ptr()
+            hi = lo + info.data.numel() * info.data.element_size()
+            if any(not lo <= p.data_ptr() < hi for _, p in ps):
+                return True
+        return False
+
     def _merge_small_runs(self) -> None:
-        """A run whose parameters average fewer elements than the fused backend reads in place (a bias alone at
-        the end of a buffer) joins the run before it: gathered, it would allocate the whole flat gradient
-        buffer.  (Runs of one buffer only: the first run of a buffer joins the next.)"""
-        try:
-            from dml_optim.backends.fused import LIST_MIN_ELEMENTS as least
-        except ImportError:  # the threshold moved: the value of its first version
-            least = 1 << 14
-        buffer_of = {id(p): n for n, ps in enumerate(self._ordered_params()) for p in ps}
+        """A run whose parameters average fewer than :data:`SMALL_RUN_ELEMENTS` elements (a bias alone at the
+        end of a buffer) joins the run before it (the first run of a buffer joins the next)."""
         merged: list[_Run] = []
         for run in self.runs:
-            small = sum(p.numel() for p in run.params) < least * len(run.params)
+            small = sum(p.numel() for p in run.params) < SMALL_RUN_ELEMENTS * len(run.params)
             prev = merged[-1] if merged else None
-            if prev is not None and buffer_of[id(prev.params[0])] == buffer_of[id(run.params[0])] and (
-                    small or sum(p.numel() for p in prev.params) < least * len(prev.params)):
+            if prev is not None and prev.buffer == run.buffer and (
+                    small or sum(p.numel() for p in prev.params) < SMALL_RUN_ELEMENTS * len(prev.params)):
                 prev.params.extend(run.params)
+                prev.positions.extend(run.positions)
             else:
                 merged.append(run)
         self.runs = merged
@@ -233,6 +261,8 @@ class StepInBackward:
         """Remove the hooks: the optimizer steps only when ``step()`` is called again."""
         for h in self._handles:
             h.remove()
+        if self._handles or self.runs:
+            self.optimizer.set_in_backward(None)
         self._handles = []
         self._where = {}
         for run in self.runs:
@@ -250,31 +280,31 @@ class StepInBackward:
         where = self._where.get(id(p))
         if where is None or p.grad is None:
             return
-        run, pos = where
-        run.pending[pos] = p.grad
-        p.grad = None
-        if not self._queued:  # the runs left incomplete (unused parameters) step when backward ends
+        if not self._queued:  # the first gradient of this backward: what the runs were cut for still holds?
+            self._check_setup()
+            # the runs left incomplete (unused parameters) step when backward ends
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             self._queued = True
+        run, j = where
+        run.pending[j] = p.grad
+        p.grad = None
         if run.complete:
             self._step(run)
 
+    def _check_setup(self) -> None:
+        if [p.requires_grad for p in self._params()] != self._trainable:
+            raise RuntimeError("step_in_backward: parameters were frozen or unfrozen, or a param group was added, "
+                               "since the runs were cut: call refresh() on the handle step_in_backward returned")
+        if [p.data_ptr() for p in self._all] != self._ptrs:
+            raise RuntimeError("step_in_backward: parameters were re-bound (model.to(), p.data = t) since the runs "
+                               "were cut: call refresh() on the handle step_in_backward returned (between backward "
+                               "passes)")
+
     def _step(self, run: _Run) -> None:
-        for pos, g in run.pending.items():
-            run.params[pos].grad = g
+        grads = {run.positions[j]: g for j, g in run.pending.items()}
         run.pending.clear()
-        before = [p.data_ptr() for p in self._all]
-        try:
-            self.optimizer.step()
-            self.steps += 1
-        finally:
-            for p in run.params:
-                p.grad = None
-        if [p.data_ptr() for p in self._all] != before:
-            raise RuntimeError(
-                "the optimizer re-packed its flat buffer inside backward (a parameter's data moved): the rest of "
-                "this backward would read moved parameters. Call optimizer.step() after backward, or use a "
-                "backend that keeps the layout (backend='fused')")
+        self.optimizer.step_run(run.buffer, grads)
+        self.steps += 1
 
     def _flush(self) -> None:
         self._queued = False
