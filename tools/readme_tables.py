@@ -46,7 +46,8 @@ SOURCES = {
     "cpu": "bench/results/cpu-2026-11-27.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-28.json",
-    "memory": "bench/results/memory-2026-11-28.json",
+    "memory": "bench/results/memory-2026-11-28-backward.json",
+    "fits": "bench/results/fits-2026-11-28.json",
 }
 #: (optimizer, model) per row of the audit table.
 AUDIT_ROWS = (
@@ -499,6 +500,10 @@ def peak_table(doc: dict[str, Any], source: str) -> str:
             f"parameters; the ratio is to torch.optim.AdamW FP32's peak in the same style. A {m.get('cpu_count')}-core "
             f"{m.get('cpu_model', 'CPU')} VM, {m.get('torch_threads')} threads, torch {doc['versions'].get('torch')}, {doc['created'][:10]} (`{source}`, written by "
             f"`python -m dml_optim.benchmark.wholemem`).")
+    if doc["method"].get("eager_layout"):
+        note += (" Rows of the eager backend (DirectML's path) lay their scratch out as DirectML does: a float32 step "
+                 "in chunks within 32 MiB or 0.5 B/param (the CPU's own eager float32 step keeps a full-size scratch, "
+                 "4 B/param more, for speed).")
     carried = sorted({(r["carried_from"], r["label"]) for r in doc["rows"] if r.get("carried_from")})
     if carried:
         note += (" Carried from an earlier run of the same tool on this machine, their code paths unchanged since: "
@@ -506,6 +511,28 @@ def peak_table(doc: dict[str, Any], source: str) -> str:
     if skipped:
         note += " Not measured: " + "; ".join(skipped) + "."
     note += ")"
+    return "\n".join(lines + ["", _fill(note)])
+
+
+def fits_table(doc: dict, source: str) -> str:
+    """The deepest GPT of one width that trains in a memory budget (``python -m dml_optim.benchmark.fits``), per
+    configuration, measured."""
+    budget = doc["budget_bytes"] / 1e9
+    lines = [f"| configuration | deepest GPT that fits {budget:g} GB | parameters | measured peak | next depth's peak |",
+             "|---|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        ratio = f" ({r['ratio_to_torch']:.1f}x)" if r.get("ratio_to_torch") and r["config"] != "torch-fp32" else ""
+        nxt = r.get("next_peak_bytes")
+        lines.append(f"| {r['label']} | {r['depth']} blocks | {r['params'] / 1e6:.1f}M{ratio} | "
+                     f"{r['peak_bytes'] / 1e9:.2f} GB | {'n/a' if nxt is None else f'{nxt / 1e9:.2f} GB'} |")
+    f, m = doc["family"], doc["machine"]
+    note = (f"(Measured, not computed: GPTs of width {f['width']}, {f['heads']} heads, a tied embedding of "
+            f"{f['vocab']} tokens, batch {f['batch']} x {f['seq']} tokens, as deep as fits; each depth a subprocess "
+            "running forward, backward, step and zero_grad(set_to_none=True), its peak resident size above the "
+            "size before the model existed (the whole-training peak above). Every depth shown was measured, and "
+            "so was the next one, which does not fit. "
+            f"A {m.get('cpu_count')}-core {m.get('cpu_model', 'CPU')} VM, torch {doc['versions'].get('torch')}, "
+            f"{doc['created'][:10]} (`{source}`, written by `python -m dml_optim.benchmark.fits`).)")
     return "\n".join(lines + ["", _fill(note)])
 
 
@@ -518,6 +545,7 @@ TABLES = {
     "PRECISION-TABLE": lambda: precision_headline((ROOT / COMPARE_REPORT).read_text(encoding="utf-8"), COMPARE_REPORT),
     "MEMORY-TABLE": _memory_table,
     "PEAK-TABLE": lambda: peak_table(_load("memory"), SOURCES["memory"]),
+    "FITS-TABLE": lambda: fits_table(_load("fits"), SOURCES["fits"]),
     "TRAINING-BYTES": _training_bytes,
 }
 #: The tables measured when written (seconds each), not read from a committed document.

@@ -300,11 +300,9 @@ class EngineMixin:
         self._in_backward = handle
         for group, flats in self.buffers_by_group():
             for flat in flats:
-                if handle is not None:
-                    flat.adopt = False
-                else:
+                if handle is None:
                     runtime(flat).window = None
-                    flat.adopt = not fuses(self, group, flat)
+                self._hook(group, flat)  # (the layout's rule: no buffer adopts while a handle takes gradients)
 
     @torch.no_grad()
     def step_run(self, buffer: int, grads: dict[int, torch.Tensor]) -> None:
