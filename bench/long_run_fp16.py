@@ -43,6 +43,10 @@ epsilon 1e-6):
   into the float16 parameters up or down with the probabilities that make it
   unbiased: no compensation buffer) and full, 8- or 4-bit moments; the same
   loss scaler.  Reported beside ``fp16-kahan`` (not held to the tolerance).
+* ``bf16-sr-8bit``, ``bf16-sr-8bit-backward``: the bfloat16 model with
+  ``rounding="stochastic"`` and 8-bit moments, no loss scaler (bf16 has
+  float32's range); ``-backward`` steps inside backward
+  (:func:`dml_optim.step_in_backward`): the leanest whole-training configuration.
 
 Documented tolerance (checked by ``tests/test_long_run.py`` on a short run and
 reported here for the full one): every logged loss and every parameter stays
@@ -82,7 +86,7 @@ REL_TOL = 0.10
 
 HYPER = dict(lr=1e-3, alpha=0.9, beta=0.999, epsilon=1e-6)
 CONFIGS = ("fp32", "fp16-master", "fp16-kahan", "fp16-storage", "fp32-8bit", "fp32-4bit", "fp16-kahan-8bit",
-           "fp16-kahan-4bit", "fp16-sr", "fp16-sr-8bit", "fp16-sr-4bit")
+           "fp16-kahan-4bit", "fp16-sr", "fp16-sr-8bit", "fp16-sr-4bit", "bf16-sr-8bit", "bf16-sr-8bit-backward")
 #: The configurations whose final loss must be within the tolerance of ``fp32``'s.
 HELD_TO_TOLERANCE = ("fp16-master", "fp16-kahan", "fp32-8bit", "fp16-kahan-8bit")
 #: Where the JSON goes unless ``--out`` says otherwise (relative to the current folder).
@@ -105,6 +109,13 @@ def build(config: str, seed: int, init_scale: float = 2.0**16):
         model = toy.make_model(seed)
         bits = {"fp32-8bit": 8, "fp32-4bit": 4}.get(config)
         return model, dml_optim.Adam(model.parameters(), state_bits=bits, **HYPER), None, torch.float32
+    if config in ("bf16-sr-8bit", "bf16-sr-8bit-backward"):  # (bf16's range: no loss scaler)
+        model = toy.make_model(seed, dtype=torch.bfloat16)
+        torch.manual_seed(seed)
+        opt = dml_optim.Adam(model.parameters(), rounding="stochastic", state_bits=8, **HYPER)
+        if config.endswith("-backward"):
+            dml_optim.step_in_backward(opt)  # (the loop's opt.step() after backward then steps nothing)
+        return model, opt, None, torch.bfloat16
     model = toy.make_model(seed, dtype=torch.float16)
     if config == "fp16-master":
         opt = dml_optim.Adam(model.parameters(), master_weights=True, **HYPER)

@@ -26,7 +26,7 @@ from dml_optim.benchmark.wholemem import ModelSpec, config, measure_one
 __all__ = ["WIDTH_SPEC", "CONFIGS", "largest_fitting", "measure", "main"]
 
 #: The GPT family searched: every field but the depth fixed.
-WIDTH_SPEC = dict(kind="gpt", width=1024, batch=2, vocab=8192, heads=16, seq=128)
+WIDTH_SPEC = dict(kind="gpt", width=1024, batch=1, vocab=8192, heads=16, seq=32)
 #: The configurations compared (keys of :data:`dml_optim.benchmark.wholemem.CONFIGS`).
 CONFIGS = ("torch-fp32", "ours-bf16-sr-8bit-eager-backward", "ours-bf16-sr-4bit-eager-backward")
 
@@ -60,10 +60,8 @@ def largest_fitting(peak_of: Callable[[int], int], budget: int, probes: tuple[in
 
 
 def measure(budget_gb: float = 2.0, configs: tuple[str, ...] = CONFIGS, log: Callable[[str], None] = print,
-            timeout: float = 3600.0) -> dict[str, Any]:
-    from dml_optim.benchmark.machine import describe
-    import torch
-
+            timeout: float = 3600.0, out: Path | None = None) -> dict[str, Any]:
+    """The document (written to ``out`` after each configuration too, when given)."""
     budget = int(budget_gb * 1e9)
     rows = []
     for key in configs:
@@ -72,7 +70,7 @@ def measure(budget_gb: float = 2.0, configs: tuple[str, ...] = CONFIGS, log: Cal
 
         def peak_of(depth: int) -> int:
             result = measure_one({"config": key, "model": _spec(depth), "set_to_none": True, "device": "cpu",
-                                  "warmup": 2, "steps": 2}, timeout=timeout)
+                                  "warmup": 1, "steps": 1}, timeout=timeout)
             if "error" in result:
                 raise RuntimeError(f"{key} at depth {depth}: {result['error']}")
             params[depth] = result["params"]
@@ -85,14 +83,24 @@ def measure(budget_gb: float = 2.0, configs: tuple[str, ...] = CONFIGS, log: Cal
                      "peak_bytes": peaks.get(depth), "next_peak_bytes": peaks.get(depth + 1),
                      "measured": {str(d): {"peak_bytes": p, "params": params[d]} for d, p in sorted(peaks.items())}})
         log(f"{cfg.label}: depth {depth}, {params.get(depth, 0) / 1e6:.1f}M parameters in {budget_gb:g} GB")
+        doc = _document(rows, budget)
+        if out is not None:
+            out.write_text(json.dumps(doc, indent=1) + "\n")
+    return _document(rows, budget)
+
+
+def _document(rows: list[dict[str, Any]], budget: int) -> dict[str, Any]:
+    from dml_optim.benchmark.machine import describe
+    import torch
+
     base = next((r for r in rows if r["config"] == "torch-fp32"), None)
     for r in rows:
         r["ratio_to_torch"] = (r["params"] / base["params"]) if base and base["params"] else None
     return {"schema": "dml-optim-fits/1", "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": describe(torch.device("cpu")), "versions": {"torch": torch.__version__},
             "budget_bytes": budget, "family": dataclasses.asdict(ModelSpec(**_spec(0))) | {"depth": "searched"},
-            "method": "wholemem's peak above the memory before the model (VmHWM), set_to_none=True, 2 warm-up and "
-                      "2 measured steps per depth; the deepest depth measured to fit, the next measured not to",
+            "method": "wholemem's peak above the memory before the model (VmHWM), set_to_none=True, 1 warm-up and "
+                      "1 measured step per depth; the deepest depth measured to fit, the next measured not to",
             "rows": rows}
 
 
@@ -104,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.budget_gb <= 0:
         parser.error(f"--budget-gb must be > 0, got {args.budget_gb}")
-    doc = measure(args.budget_gb, tuple(args.configs))
+    measure(args.budget_gb, tuple(args.configs), out=args.out)
     if args.out is not None:
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
 

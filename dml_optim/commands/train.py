@@ -13,7 +13,7 @@ from dml_optim.core.options import OPTION_NAMES
 from dml_optim.optimizers.registry import NAMES, spec
 from dml_optim.precision import epsilon_name
 from dml_optim.job.train import (
-    DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEVICES, DTYPES, FP16_EPSILON, RunResult, TrainConfig,
+    DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEVICES, DTYPES, FP16_EPSILON, ROUNDINGS, RunResult, TrainConfig,
 )
 
 HELP = "train a small MLP on built-in data with a dml_optim optimizer (and, optionally, torch.optim)"
@@ -81,6 +81,10 @@ def add_parser(sub):
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="float32; float16 (FP16 params and state); mixed (FP16 params, FP32 master "
                         "weights and state, dynamic loss scaling) (default: float32)")
+    p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
+                   help="ours: how float16/bfloat16 parameters are rounded after the update (default: nearest)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="ours: step each run of parameters inside backward, its gradients then dropped")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto = DirectML, else CUDA, else CPU (default: auto)")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the data, the initial weights and the batches (default: 0)")
@@ -196,12 +200,14 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = TrainConfig(optimizer=args.optimizer, lr=args.lr, steps=args.steps, batch_size=args.batch_size,
-                         dtype=args.dtype, seed=args.seed, state_bits=args.state_bits).validated()
+                         dtype=args.dtype, seed=args.seed, state_bits=args.state_bits,
+                         rounding=args.rounding, step_in_backward=args.step_in_backward).validated()
     dml_ok, dml_reason = available()
     header = {
         "config": {"optimizer": config.optimizer, "lr": config.lr, "steps": config.steps,
                    "batch_size": config.batch_size, "dtype": config.dtype, "seed": config.seed,
-                   "hidden": config.hidden, "state_bits": config.state_bits},
+                   "hidden": config.hidden, "state_bits": config.state_bits, "rounding": config.rounding,
+                   "step_in_backward": config.step_in_backward},
         "n_train": config.n_train, "n_test": config.n_test, "num_classes": toy.NUM_CLASSES,
         "requested_device": args.device, "device": str(device),
         "directml": {"available": dml_ok, "reason": dml_reason},

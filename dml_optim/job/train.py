@@ -15,6 +15,10 @@ Precision (``TrainConfig.dtype``):
   optimizer with an epsilon uses ``1e-4`` (:data:`FP16_EPSILON`): the FP32
   defaults (1e-6, 1e-8, 1e-10) are at or below FP16's subnormal range.  The
   loss is computed in FP32 from FP16 logits.
+* ``bfloat16``: bf16 parameters, gradients and state (bf16's range needs no
+  loss scaling).  With ``TrainConfig.rounding="stochastic"`` ours rounds the
+  updated parameters stochastically (``rounding="stochastic"``); torch.optim's
+  run rounds to nearest, as it can only do.
 * ``mixed``: FP16 parameters and gradients; ours keeps an FP32 master copy and
   FP32 state (``master_weights=True``) and scales the loss with
   :class:`dml_optim.training.amp.DynamicLossScaler` (everything on the device).  The
@@ -39,12 +43,14 @@ from dml_optim.precision import epsilon_name
 from dml_optim.core.quant import MIN_ELEMENTS, QuantizedState
 
 __all__ = [
-    "DTYPES", "DEVICES", "DEFAULT_STEPS", "DEFAULT_BATCH_SIZE", "FP16_EPSILON",
+    "DTYPES", "ROUNDINGS", "DEVICES", "DEFAULT_STEPS", "DEFAULT_BATCH_SIZE", "FP16_EPSILON",
     "TrainConfig", "RunResult", "resolve_device", "optimizer_hyperparameters", "train",
 ]
 
 #: ``--dtype`` choices.
-DTYPES = ("float32", "float16", "mixed")
+DTYPES = ("float32", "float16", "bfloat16", "mixed")
+#: ``--rounding`` choices (ours, float16/bfloat16 parameters).
+ROUNDINGS = ("nearest", "stochastic")
 #: ``--device`` choices.
 DEVICES = ("auto", "cpu", "cuda", "privateuseone")
 DEFAULT_STEPS = 1000
@@ -73,6 +79,10 @@ class TrainConfig:
     seed: int = 0
     #: dml_optim's ``state_bits`` (None, 8 or 4); torch.optim's run keeps full-precision state
     state_bits: int | None = None
+    #: dml_optim's ``rounding`` of float16/bfloat16 parameters ("nearest" or "stochastic")
+    rounding: str = "nearest"
+    #: ours steps inside backward (:func:`dml_optim.step_in_backward`), each run as its gradients are complete
+    step_in_backward: bool = False
     hidden: int = toy.HIDDEN
     n_train: int = toy.N_TRAIN
     n_test: int = toy.N_TEST
@@ -88,6 +98,15 @@ class TrainConfig:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.state_bits, bool) or self.state_bits not in (None, 8, 4):
             raise ValueError(f"state_bits must be None, 8 or 4, got {self.state_bits!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
+        if self.rounding == "stochastic" and self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"rounding='stochastic' rounds float16/bfloat16 parameters; dtype is {self.dtype!r}")
+        if not isinstance(self.step_in_backward, bool):
+            raise ValueError(f"step_in_backward must be a bool, got {self.step_in_backward!r}")
+        if self.step_in_backward and self.dtype == "mixed":
+            raise ValueError("step_in_backward with dtype='mixed': a loss scaler decides on every gradient whether "
+                             "the step happens; use dtype='bfloat16' or 'float32'")
         lr = spec.train_lr if self.lr is None else self.lr
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
@@ -310,7 +329,8 @@ def train(
     device = torch.device(device)
     mixed = config.dtype == "mixed"
     torch_amp = mixed and impl == "torch"
-    param_dtype = torch.float32 if (config.dtype == "float32" or torch_amp) else torch.float16
+    param_dtype = (torch.float32 if (config.dtype == "float32" or torch_amp)
+                   else torch.bfloat16 if config.dtype == "bfloat16" else torch.float16)
 
     x_train, y_train, x_test, y_test = toy.make_dataset(
         config.seed, config.n_train, config.n_test, device=device, dtype=param_dtype)
@@ -321,8 +341,14 @@ def train(
     if impl == "torch":  # foreach=True: what torch 2.4 picks on a DirectML device (and fine on CPU/CUDA)
         opt = registry.torch_equivalent(config.optimizer, model.parameters(), foreach=True, **hyper)
     else:  # mixed: an FP32 master copy of the FP16 parameters, and FP32 state
+        precision = {"rounding": "stochastic"} if config.rounding == "stochastic" else {}
         opt = registry.build(config.optimizer, model.parameters(), master_weights=mixed, state_bits=config.state_bits,
-                             **hyper)
+                             **precision, **hyper)
+    inside = None
+    if config.step_in_backward and impl == "dml_optim":  # (torch.optim's run steps after backward)
+        from dml_optim.training.backward import step_in_backward
+
+        inside = step_in_backward(opt)
     scaler = _make_scaler(device, mixed, torch_amp)
     probe = next(model.parameters())
 
@@ -344,7 +370,7 @@ def train(
         _synchronize(device, probe)
         t1 = time.perf_counter()
         if scaler is None:
-            opt.step()
+            opt.step()  # (inside backward: nothing is left to step; the time is backward's)
         elif torch_amp:
             scaler.step(opt)
             scaler.update()
@@ -359,6 +385,8 @@ def train(
         if progress is not None and (i + 1 == config.steps or (progress_every and (i + 1) % progress_every == 0)):
             progress(i + 1, config.steps, float(losses[-1]))
     total_s = time.perf_counter() - start
+    if inside is not None:
+        inside.remove()  # (the audit's step after the evaluation is a plain one)
 
     final_loss = _mean_loss(model, x_train, y_train)
     curve = torch.stack(losses).float().cpu().tolist()
