@@ -240,7 +240,8 @@ def test_audit_is_reported_for_our_optimizer():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("optimizer", "lion"), ("dtype", "bfloat16"), ("steps", 0), ("batch_size", -1), ("hidden", 1.5),
+    ("optimizer", "lion"), ("dtype", "bf16"), ("rounding", "up"), ("step_in_backward", 1), ("steps", 0),
+    ("batch_size", -1), ("hidden", 1.5),
     ("seed", -1), ("lr", 0.0), ("lr", float("nan")), ("steps", True),
 ])
 def test_config_validation_names_the_field(field, value):
