@@ -170,7 +170,7 @@ class BufferRuntime:
     decisions: int = 0  # how many decisions were made for this buffer
     eager_s: float = 0.0  # wall time of its eager steps on the CPU under backend="auto" (the tiering clock)
     fused: Any = None  # the fused backend's cache (dml_optim.backends.fused)
-    scalars: tuple | None = None  # (settings token, {count: host scalars}, dtype, bits, compute dtype): eager
+    scalars: tuple | None = None  # (settings token, {count: host scalars}, dtype, bits, compute dtype, constants)
     hyper: dict | None = None  # the compiled backend's 0-d hyperparameter tensors: {name: [value, tensor]}
     repeated: bool = False  # the last step repeated its plan (no layout work, no new decision)
     read: dict | None = field(default=None)  # the gradients the last step read in place: {id: version}

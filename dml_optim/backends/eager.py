@@ -179,20 +179,22 @@ def padding_positions(flat, a: int, b: int) -> torch.Tensor | None:
 
 def _host_scalars(request: StepRequest, count: int) -> dict:
     """The rule's host scalars after ``count`` completed steps, range-checked; kept per settings token and
-    the buffer's dtype and bits, with the compute dtype they are checked against (a steady step finds its
-    count's; a scheduler's new ``lr`` is a new token: computed again)."""
+    the buffer's dtype and bits, with the compute dtype they are checked against and the rule's constants (a
+    steady step finds its count's, or computes only the coefficients of its new count; a scheduler's new
+    ``lr`` is a new token: computed again)."""
     opt, group, flat = request.opt, request.group, request.flat
     rt = runtime(flat)
     cache = rt.scalars
     if (cache is None or cache[0] is not rt.settings or rt.settings is None or cache[2] is not flat.dtype
             or cache[3] != flat.bits):
-        cache = rt.scalars = (rt.settings, {}, flat.dtype, flat.bits, compute_dtype(group, flat.dtype, flat.bits))
+        cache = rt.scalars = (rt.settings, {}, flat.dtype, flat.bits, compute_dtype(group, flat.dtype, flat.bits),
+                              type(opt).constants(group))
     known = cache[1]
     scalars = known.get(count)
     if scalars is None:
         if len(known) >= 64:
             known.clear()
-        scalars = step_scalars(type(opt), group, count, None)
+        scalars = step_scalars(type(opt), group, count, None, constants=cache[5])
         check_range(group, flat, scalars, cache[4])
         known[count] = scalars
     return scalars
