@@ -142,6 +142,80 @@ def test_a_scheduler_changing_lr_every_step_equals_torch_and_repeats(backend, se
     assert buffers(opt)[0].backend == backend
 
 
+def _eager_events(opt, ps, step):
+    """One step of a loop on DirectML's path with something changing now and then (see the caller)."""
+    group = opt.param_groups[0]
+    if 5 <= step < 9:
+        group["lr"] = 1e-2 / (1.0 + step)  # a scheduler
+    if step == 18:
+        opt.load_state_dict(opt.state_dict())  # new state tensors
+    if step == 22:
+        ps[1].data = ps[1].detach().clone()  # re-bound parameter values
+    if step == 26:
+        group["amsgrad"] = True  # a new state, a new structure
+    if step == 30:
+        group["weight_decay"] = 0.0  # an exact zero: a new structure
+    opt.zero_grad(set_to_none=step in (10, 32))
+    for i, p in enumerate(ps):
+        g = torch.sin((i + 1) * (step + 1) * torch.linspace(0, 1, p.numel())).view_as(p)
+        if step in (32, 33) and i == 2:
+            continue  # no gradient: two classes (and two counts from then on), the general path
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.copy_(g)
+    opt.step()
+
+
+@pytest.mark.parametrize("checks", ["full", "refs", "fast"])
+def test_the_eager_steady_call_equals_a_step_planned_from_scratch_under_every_change(checks):
+    """DirectML's path: a repeat of a one-class step calls the rule on the tensors it bound once
+    (``EagerPlan.steady``), bit for bit what an optimizer that never repeats does, through a scheduler's lr,
+    fresh and ``None`` gradients, a reload (new state tensors, bound again), re-bound values and new
+    structures."""
+    gen = torch.Generator().manual_seed(3)
+    values = [torch.randn(s, generator=gen) for s in [(5, 4), (16,), (3,)]]
+    params = [[torch.nn.Parameter(v.clone()) for v in values] for _ in range(2)]
+    opts = [dml_optim.AdamW(ps, lr=1e-2, weight_decay=0.1, backend="eager", checks=checks) for ps in params]
+    opts[1]._repeat = lambda: False  # (an instance attribute: plans every step from scratch)
+    repeated, steady = [], []
+    for step in range(36):
+        for opt, ps in zip(opts, params):
+            _eager_events(opt, ps, step)
+        for p, q in zip(*params):
+            assert torch.equal(p, q), f"step {step}"
+        call = opts[0]._steady[0].plan.steady if opts[0]._steady else None
+        if call is not None:  # (bound to the buffer's tensors of this step)
+            flat = opts[0]._layout[0].buffers[0]
+            assert call[1][0] is flat.data and call[1][1] is flat.grad
+            assert all(t is flat.states[n] for t, n in zip(call[1][2:], call[4]))
+        repeated.append(buffers(opts[0])[0].repeated)
+        steady.append(repeated[-1] and call is not None)
+    assert not buffers(opts[1])[0].repeated
+    quiet = (3, 4, 5, 6, 7, 8, 9, 12, 13, 15, 16, 17, 20, 21, 24, 25, 28, 29, 31)
+    assert all(steady[k] for k in quiet), steady
+    assert repeated[33] and repeated[35] and not steady[33] and not steady[35], (repeated, steady)
+
+
+def test_the_eager_steady_call_binds_again_when_a_buffer_tensor_is_replaced():
+    """The bound call is kept only while the buffer's tensors are the same objects: a state tensor replaced
+    between two repeats (no path that does so keeps the repeat today; this is the call's own check) is the
+    one the next step updates."""
+    p = torch.nn.Parameter(torch.randn(16))
+    opt = dml_optim.AdamW([p], lr=1e-2, backend="eager")
+    for _ in range(4):
+        p.grad = torch.ones(16) if p.grad is None else p.grad.fill_(1.0)
+        opt.step()
+    assert buffers(opt)[0].repeated and opt._steady[0].plan.steady is not None
+    flat = opt._layout[0].buffers[0]
+    old, new = flat.states["exp_avg"], flat.states["exp_avg"].clone()
+    flat.states["exp_avg"] = new
+    before = old.clone()
+    opt.step()
+    assert buffers(opt)[0].repeated and opt._steady[0].plan.steady[1][2] is new
+    assert torch.equal(old, before) and not torch.equal(new, before)
+
+
 def test_a_repeat_keeps_no_gradient_alive():
     """A repeat after ``zero_grad(set_to_none=True)`` does not hold the last step's gradients."""
     import weakref

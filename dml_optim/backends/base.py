@@ -120,6 +120,7 @@ class EagerPlan(Plan):
     timed: bool = False
     converts: bool = False  # operands are converted to the compute dtype (the rule then runs chunk by chunk)
     compiled_buffer: bool = False  # the buffer's rule compiles (its memory policy: no scratch)
+    steady: tuple | None = None  # a repeat's one-class step: the rule's call with its tensors bound (eager.steady_call)
 
 
 @dataclass
@@ -185,7 +186,7 @@ class BufferRuntime:
     decisions: int = 0  # how many decisions were made for this buffer
     eager_s: float = 0.0  # wall time of its eager steps on the CPU under backend="auto" (the tiering clock)
     fused: Any = None  # the fused backend's cache (dml_optim.backends.fused)
-    scalars: tuple | None = None  # (settings token, {count: host scalars}) of the last step's counts
+    scalars: tuple | None = None  # (settings token, {count: host scalars}, dtype, bits, compute dtype, constants)
     hyper: dict | None = None  # the compiled backend's 0-d hyperparameter tensors: {name: [value, tensor]}
     repeated: bool = False  # the last step repeated its plan (no layout work, no new decision)
     read: dict | None = field(default=None)  # the gradients the last step read in place: {id: version}

@@ -192,8 +192,9 @@ def fall_back(opt, device, reason: str) -> None:
 
 
 def fell_back(opt) -> str | None:
-    """The reason ``opt`` fell back to eager, or None."""
-    return _FALLEN_BACK.get(opt)
+    """The reason ``opt`` fell back to eager, or None (asked at every step's decision: no weak reference made
+    while no optimizer fell back)."""
+    return _FALLEN_BACK.get(opt) if _FALLEN_BACK.data else None
 
 
 def _recompile_limit() -> int:

@@ -39,7 +39,7 @@ from dml_optim.core.update import (coefficient_dtype, conversion_count, masked_s
 
 __all__ = ["EagerBackend", "BACKEND", "MASKED_DEVICES", "MIN_SCRATCH", "SCRATCH_PER_ELEMENT", "PLAIN_CHUNK_DEVICES",
            "several_counts", "masks", "ensure_scratch", "scratch_layout", "scratch_budget", "laid_out_as", "padding_positions",
-           "plan_updates", "masked_plan", "apply_class", "apply_range", "apply_masked", "forget_device_counts"]
+           "plan_updates", "masked_plan", "steady_call", "apply_class", "apply_range", "apply_masked", "forget_device_counts"]
 
 #: Devices where parameters at several step counts take one masked update (:func:`masks`).
 #: Not the CPU: there one update per run of parameters at one count, in the buffer's order, is faster
@@ -178,20 +178,24 @@ def padding_positions(flat, a: int, b: int) -> torch.Tensor | None:
 
 
 def _host_scalars(request: StepRequest, count: int) -> dict:
-    """The rule's host scalars after ``count`` completed steps, range-checked; kept per settings token
-    (a steady step finds its count's; a scheduler's new ``lr`` is a new token: computed again)."""
+    """The rule's host scalars after ``count`` completed steps, range-checked; kept per settings token and
+    the buffer's dtype and bits, with the compute dtype they are checked against and the rule's constants (a
+    steady step finds its count's, or computes only the coefficients of its new count; a scheduler's new
+    ``lr`` is a new token: computed again)."""
     opt, group, flat = request.opt, request.group, request.flat
     rt = runtime(flat)
     cache = rt.scalars
-    if cache is None or cache[0] is not rt.settings or rt.settings is None:
-        cache = rt.scalars = (rt.settings, {})
+    if (cache is None or cache[0] is not rt.settings or rt.settings is None or cache[2] is not flat.dtype
+            or cache[3] != flat.bits):
+        cache = rt.scalars = (rt.settings, {}, flat.dtype, flat.bits, compute_dtype(group, flat.dtype, flat.bits),
+                              type(opt).constants(group))
     known = cache[1]
     scalars = known.get(count)
     if scalars is None:
         if len(known) >= 64:
             known.clear()
-        scalars = step_scalars(type(opt), group, count, None)
-        check_range(group, flat, scalars)
+        scalars = step_scalars(type(opt), group, count, None, constants=cache[5])
+        check_range(group, flat, scalars, cache[4])
         known[count] = scalars
     return scalars
 
@@ -261,8 +265,10 @@ class EagerBackend:
                 and last.request.finite is None and last.compiled_buffer == compiled
                 and len(last.scratch) == len(flat.scratch) and all(map(operator.is_, last.scratch, flat.scratch))):
             # (a repeat: the same buffer, structure, classes and scratch; only the host scalars are new)
-            return EagerPlan(request, updates=plan_updates(request), chunk=last.chunk, scratch=last.scratch,
-                             timed=timed, converts=last.converts, compiled_buffer=compiled)
+            updates = plan_updates(request)
+            return EagerPlan(request, updates=updates, chunk=last.chunk, scratch=last.scratch, timed=timed,
+                             converts=last.converts, compiled_buffer=compiled,
+                             steady=steady_call(request, updates, last.scratch, last.converts, last.steady))
         if (finite is None and request.window is None and len(flat.counter.classes) > 1
                 and masks(group, flat, masked_kernel)):  # (a range stepping alone: one update per class)
             ensure_scratch(request.opt, group, flat, True, compiled or masked_kernel)
@@ -281,8 +287,12 @@ class EagerBackend:
             forget_device_counts(request.flat)
             return
         start = time.perf_counter() if plan.timed else 0.0
-        for update in plan.updates:
-            apply_class(request, update, plan)
+        call = plan.steady
+        if call is not None:  # (one class over the whole buffer, its tensors bound: apply_range's common case)
+            call[0](*call[1], scratch=call[2], **plan.updates[0].scalars)
+        else:
+            for update in plan.updates:
+                apply_class(request, update, plan)
         if plan.timed:  # (CPU ops are synchronous: this is the step's own time)
             runtime(request.flat).eager_s += time.perf_counter() - start
 
@@ -296,6 +306,35 @@ def forget_device_counts(flat) -> None:
     for k in flat.counter.classes:
         if k.active:
             k.tensor = None
+
+
+def steady_call(request: StepRequest, updates: tuple, scratch: tuple, convert: bool, kept: tuple | None) -> tuple | None:
+    """A repeat's call of the rule over the whole buffer, its tensors bound once: ``(rule, operands, scratch,
+    bound tensors, state names)``, the call :func:`apply_range` makes in its common case (one class at a host
+    count over the whole buffer, ungated, nothing converted, a full-size scratch or none), so that a steady step
+    only computes its host scalars.  ``kept``: the last step's, returned while the buffer's parameters, gradients,
+    master copy and states are the same tensors (identities: a few pointer comparisons); None for any other step
+    (several classes, counts on the device, conversions, chunks), which runs through :func:`apply_class`."""
+    flat = request.flat
+    if convert or request.finite is not None or request.window is not None or len(updates) != 1 or not flat.numel:
+        return None  # (a range stepping alone reads its window: apply_range)
+    c, scalars = updates[0]
+    if scalars is None or c.tensor is not None or flat.segment(c.first, c.stop) != (0, flat.numel):
+        return None
+    if kept is not None:
+        bound, states = kept[3], flat.states
+        if (bound[0] is flat.data and bound[1] is flat.grad and bound[2] is flat.master
+                and all(map(operator.is_, bound[3:], map(states.get, kept[4])))):
+            return kept
+    cls, group = type(request.opt), request.group
+    names = cls.group_state_names(group)
+    rule_scratch = scratch[:cls.scratch_count(group, False)]
+    if rule_scratch and rule_scratch[0].numel() < flat.numel:
+        return None  # (chunks)
+    rule = list(rule_scratch) + [None] * (cls.scratch_slots - len(rule_scratch))
+    states = tuple(flat.states[n] for n in names)
+    x = flat.master if flat.master is not None else flat.data
+    return cls.rule, (x, flat.grad, *states), rule, (flat.data, flat.grad, flat.master, *states), names
 
 
 def apply_masked(request: StepRequest, masked: MaskedUpdate, scratch) -> None:

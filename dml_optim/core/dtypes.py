@@ -92,9 +92,11 @@ def check_step_limit(cls, count: int) -> None:
                             f"{cls.max_step} steps it can count ({cls.max_step_reason}); nothing was updated")
 
 
-def check_range(group, flat, scalars: dict[str, Any]) -> None:
-    """Refuse per-step scalars the compute dtype of ``flat`` under ``group`` cannot hold (before any write)."""
-    cdtype = compute_dtype(group, flat.dtype, flat.bits)
+def check_range(group, flat, scalars: dict[str, Any], cdtype: torch.dtype | None = None) -> None:
+    """Refuse per-step scalars the compute dtype of ``flat`` under ``group`` cannot hold (before any write);
+    ``cdtype``: that dtype (:func:`compute_dtype`), when the caller keeps it."""
+    if cdtype is None:
+        cdtype = compute_dtype(group, flat.dtype, flat.bits)
     limit = dtype_limit(cdtype)
     for name, value in scalars.items():
         if isinstance(value, float) and abs(value) > limit:

@@ -119,7 +119,7 @@ def check_hyperparameter(
         if value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must be a real number, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     try:
         value = float(value)

@@ -125,8 +125,9 @@ def _full_like(value, like: torch.Tensor) -> torch.Tensor:
 
 
 def step_scalars(cls, hyper: Mapping[str, Any], T, finite: torch.Tensor | None,
-                 coef_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The scalars of ``cls.rule`` after ``T`` completed steps (a number, or a 0-d device tensor).
+                 coef_dtype: torch.dtype = torch.float32, constants: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The scalars of ``cls.rule`` after ``T`` completed steps (a number, or a 0-d device tensor);
+    ``constants``: ``cls.constants(hyper)``, when the caller keeps them (per settings).
 
     With ``finite`` (a 0-d bool on the device), every coefficient of
     ``cls.skip_identity`` becomes ``where(finite, value, identity)``: a skipped
@@ -137,7 +138,7 @@ def step_scalars(cls, hyper: Mapping[str, Any], T, finite: torch.Tensor | None,
         T = T.to(coef_dtype) + cls.step_offset
     else:
         T = T + cls.step_offset
-    scalars = {**cls.constants(hyper), **cls.coefficients(hyper, T)}
+    scalars = {**(cls.constants(hyper) if constants is None else constants), **cls.coefficients(hyper, T)}
     if finite is None:
         return scalars
     like = T if isinstance(T, torch.Tensor) else torch.zeros((), dtype=coef_dtype, device=finite.device)

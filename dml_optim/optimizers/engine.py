@@ -211,13 +211,13 @@ class EngineMixin:
         if dispatch_mode_active() or getattr(self, "found_inf", None) is not None or self.atomic:
             return False
         mode = self.checks
-        planned = []
+        planned, runtimes, kept = [], [], []
         n, k = len(steady), 0
         for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):
             if not unchanged(group, layout.checked):
                 structure = layout.structure
                 try:
-                    candidate, synced = self._settings(gi, group)
+                    candidate, synced = self._settings(gi, group, changed=True)
                 except (TypeError, ValueError, KeyError):
                     return False  # (the full path names what is wrong)
                 self._settle(gi, candidate, synced)
@@ -247,16 +247,19 @@ class EngineMixin:
                         return False
                     grads, copied = again
                 rt.settings = layout.checked
-                planned.append(plan_step(StepRequest(self, group, flat, None, grads, copied), last))
+                plan = plan_step(StepRequest(self, group, flat, None, grads, copied), last)
+                planned.append(plan)
+                runtimes.append(rt)
+                # (what made the last step repeatable holds for this one: the same buffers, settings and gates)
+                kept.append(Steady(flat, plan.request.grads is not None, None if type(plan) is FusedPlan else plan,
+                                   plan.backend))
                 k += 1
         if k != n:
             return False
         self._commit(planned)
-        for plan in planned:
-            runtime(plan.request.flat).repeated = True
-        # (what made the last step repeatable holds for this one: the same buffers, settings and gates)
-        self._steady = tuple(Steady(plan.request.flat, plan.request.grads is not None,
-                                    None if type(plan) is FusedPlan else plan, plan.backend) for plan in planned)
+        for rt in runtimes:
+            rt.repeated = True
+        self._steady = tuple(kept)
         return True
 
     def _reads_again(self, flat: FlatBuffer, mode: str, fused: bool = True) -> tuple[list, bool] | None:

@@ -181,15 +181,17 @@ class LayoutMixin:
                 work.append(StepRequest(self, group, flat, None, grads, copied))
         return work
 
-    def _settings(self, gi: int, group: dict[str, Any]) -> tuple[dict | None, dict]:
+    def _settings(self, gi: int, group: dict[str, Any], changed: bool = False) -> tuple[dict | None, dict]:
         """``(candidate, synced)``: the group's settings synced with torch's names and validated,
-        or ``(None, synced)`` when nothing changed since they were last validated.  Writes nothing."""
+        or ``(None, synced)`` when nothing changed since they were last validated (``changed``: the caller
+        found them changed already).  Writes nothing."""
         layout = self._layout[gi]
-        if unchanged(group, layout.checked):
+        if not changed and unchanged(group, layout.checked):
             return None, layout.synced
         scalars = changed_scalars(type(self), group, layout.checked)
         if scalars is not None:  # (a scheduler's lr: those values alone validated, the structure unchanged)
-            candidate = {k: v for k, v in group.items() if k != "params"}
+            candidate = dict(group)  # (a C-level copy, then the parameters out)
+            candidate.pop("params", None)
             candidate.update(scalars)
             for flat in layout.buffers:
                 check_range(candidate, flat, scalars)

@@ -23,7 +23,7 @@ import torch
 __all__ = ["items", "unchanged", "structure_of", "changed_scalars"]
 
 _MISSING = object()
-_FREE: dict[type, tuple[frozenset, frozenset]] = {}
+_FREE: dict[type, tuple[frozenset, frozenset, dict]] = {}
 
 
 def items(group: dict) -> tuple:
@@ -49,14 +49,16 @@ def unchanged(group: dict, checked: tuple | None) -> bool:
         return False
 
 
-def _free(cls) -> tuple[frozenset, frozenset]:
-    """``(floats, free)``: the class's float hyperparameters, and those no torch name aliases."""
+def _free(cls) -> tuple[frozenset, frozenset, dict]:
+    """``(floats, free, by name)``: the class's float hyperparameters, those no torch name aliases, and the
+    latter's :class:`~dml_optim.optimizers.spec.Hyperparameter` by name."""
     found = _FREE.get(cls)
     if found is None:
         spec = cls.spec
         aliased = {n for a in spec.torch.aliases for n in a.ours}
         floats = frozenset(h.name for h in spec.hyperparameters if h.kind == "float")
-        found = _FREE[cls] = (floats, frozenset(floats - aliased))
+        free = frozenset(floats - aliased)
+        found = _FREE[cls] = (floats, free, {n: spec.hyperparameter(n) for n in free})
     return found
 
 
@@ -64,7 +66,7 @@ def structure_of(cls, group: dict) -> tuple | None:
     """The structural part of validated settings: every setting but ``params``, a float hyperparameter
     by whether it is zero, a torch name that stands for float hyperparameters left out (ours say it).
     None when a value cannot be compared (a tensor): such settings are never the same structure."""
-    floats, _ = _free(cls)
+    floats = _free(cls)[0]
     derived = {a.torch for a in cls.spec.torch.aliases if set(a.ours) <= floats}
     out = []
     for k, v in group.items():
@@ -85,7 +87,7 @@ def changed_scalars(cls, group: dict, checked: tuple | None) -> dict[str, Any] |
     if checked is None:
         return None
     old = checked[0]
-    _, free = _free(cls)
+    _, free, hyperparameters = _free(cls)
     changed = {}
     for k in free:  # (the few free floats: then one C-level comparison of everything else)
         v = group.get(k, _MISSING)
@@ -103,7 +105,7 @@ def changed_scalars(cls, group: dict, checked: tuple | None) -> dict[str, Any] |
         return None
     spec = cls.spec
     try:
-        checked_values = {k: spec.hyperparameter(k).check(v) for k, v in changed.items()}
+        checked_values = {k: hyperparameters[k].check(v) for k, v in changed.items()}
     except (TypeError, ValueError):
         return None
     if spec.constraints:
