@@ -506,7 +506,7 @@ def peak_table(doc: dict[str, Any], source: str) -> str:
                  "4 B/param more, for speed).")
     carried = sorted({(r["carried_from"], r["label"]) for r in doc["rows"] if r.get("carried_from")})
     if carried:
-        note += (" Carried from an earlier run of the same tool on this machine, their code paths unchanged since: "
+        note += (" From another run of the same tool on this machine, the code paths they measure the same in both: "
                  + "; ".join(f"{label} (`{src}`)" for src, label in carried) + ".")
     if skipped:
         note += " Not measured: " + "; ".join(skipped) + "."
