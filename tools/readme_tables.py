@@ -528,8 +528,9 @@ def fits_table(doc: dict, source: str) -> str:
     f, m = doc["family"], doc["machine"]
     note = (f"(Measured, not computed: GPTs of width {f['width']}, {f['heads']} heads, a tied embedding of "
             f"{f['vocab']} tokens, batch {f['batch']} x {f['seq']} tokens, as deep as fits; each depth a subprocess "
-            "running forward, backward, step and zero_grad(set_to_none=True), its peak resident size above the "
-            "size before the model existed (the whole-training peak above). Every depth shown was measured, and "
+            "running forward, backward, step and zero_grad(set_to_none=True) (torch.optim's row clipping too, as in "
+            "the peak table; the step inside backward refuses global-norm clipping), its peak resident size above "
+            "the size before the model existed (the whole-training peak above). Every depth shown was measured, and "
             "so was the next one, which does not fit. "
             f"A {m.get('cpu_count')}-core {m.get('cpu_model', 'CPU')} VM, torch {doc['versions'].get('torch')}, "
             f"{doc['created'][:10]} (`{source}`, written by `python -m dml_optim.benchmark.fits`).)")
