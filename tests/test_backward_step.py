@@ -361,3 +361,23 @@ def test_the_main_job_refuses_what_the_step_inside_backward_cannot_do():
         TrainConfig(dtype="mixed", step_in_backward=True).validated()
     with pytest.raises(ValueError, match="rounding='stochastic'"):
         TrainConfig(rounding="stochastic").validated()
+
+
+@pytest.mark.parametrize("backend", ["fused", "eager"])
+def test_a_gradient_unlike_its_parameter_raises_before_anything_is_written(backend):
+    """A run handed a gradient of another shape: TypeError naming both shapes, on torch's kernel's path and on
+    the window's; the parameters and states are as they were."""
+    net = _wide_net(torch.float32)
+    opt = build("adamw", list(net.parameters()), lr=1e-3, backend=backend)
+    handle = step_in_backward(opt, run_bytes=0)
+    _train_wide(net, opt, 1, torch.float32, inside=True)
+    before = [p.detach().clone() for p in net.parameters()]
+    states = {k: {n: v.clone() for n, v in st.items() if isinstance(v, torch.Tensor)}
+              for k, st in opt.state_dict()["state"].items()}
+    run, j = handle._where[id(net.head.weight)]
+    with pytest.raises(TypeError, match=r"\(8, 64\).*unlike the parameter \(\(8, 128\)"):
+        opt.step_run(run.buffer, {run.positions[j]: torch.zeros(8, 64)})
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+    for k, st in opt.state_dict()["state"].items():
+        for n, v in states[k].items():
+            assert torch.equal(st[n], v)

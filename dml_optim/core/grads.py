@@ -190,6 +190,16 @@ class GradientsMixin:
                 self.params[i].grad = self.grad_view(i)
         return True
 
+    def check_run_grad(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """``g`` (its local tensor) when it is a dense gradient of parameter ``i``'s shape, dtype and device; else
+        ``TypeError`` naming both (a range stepping alone: :meth:`fill_window`, or torch's kernel reading it)."""
+        g = local_tensor(g)
+        if g.shape != self.shapes[i] or g.dtype != self.dtype or g.device != self.device or g.layout != torch.strided:
+            raise TypeError(f"gradient of parameter {i} of the buffer ({tuple(g.shape)}, {g.dtype}, {g.device}, "
+                            f"{g.layout}) is unlike the parameter ({tuple(self.shapes[i])}, {self.dtype}, "
+                            f"{self.device}, dense)")
+        return g
+
     def fill_window(self, grads: dict[int, torch.Tensor], out: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Lay out ``grads`` (position in the buffer -> gradient) as the buffer lays out their parameters, in
         the first elements of ``out`` (a tensor of the buffer's dtype whose last element is zero and stays so):
@@ -210,12 +220,7 @@ class GradientsMixin:
             if g is None:
                 pieces.append(zero.expand(hi - lo))
                 continue
-            g = local_tensor(g)
-            if (g.shape != self.shapes[i] or g.dtype != self.dtype or g.device != self.device
-                    or g.layout != torch.strided):
-                raise TypeError(f"gradient of parameter {i} of the buffer ({tuple(g.shape)}, {g.dtype}, {g.device}, "
-                                f"{g.layout}) is unlike the parameter ({tuple(self.shapes[i])}, {self.dtype}, "
-                                f"{self.device}, dense)")
+            g = self.check_run_grad(i, g)
             pieces.append(g.reshape(-1))
             if hi - lo > self.sizes[i]:
                 pieces.append(zero.expand(hi - lo - self.sizes[i]))

@@ -336,6 +336,7 @@ class EngineMixin:
         if fuses(self, group, flat):
             listed = [None] * len(flat.params)
             for i, g in grads.items():
+                g = flat.check_run_grad(i, g)
                 listed[i] = g if g.is_contiguous() else g.contiguous()
             request = StepRequest(self, group, flat, None, listed, False)
         else:
