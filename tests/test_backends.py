@@ -768,3 +768,29 @@ def test_the_eager_time_survives_a_repack():
     b.grad = torch.randn(n)
     opt.step()
     assert buffers(opt)[0].eager_seconds > spent
+
+
+@needs_compiler
+def test_a_compiled_step_leaves_no_thread_flushing_subnormals():
+    """torch 2.4's inductor builds CPU kernels with -ffast-math; loading one turns flush-to-zero on in the loading
+    thread (gcc < 13's crtfastmath.o), and worker threads started then inherit it.  In a fresh process with two
+    threads, after compiled steps, every thread of a parallel op still sees subnormals: a negative subnormal
+    compares below zero in all 2M elements (half of them did on torch 2.4.1 before the pool was started first)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, dml_optim\n"
+        "torch.set_num_threads(2)\n"
+        "p = [torch.nn.Parameter(torch.randn(4096))]\n"
+        "opt = dml_optim.AdamW(p, backend='compiled')\n"
+        "for _ in range(3):\n"
+        "    p[0].grad = torch.randn(4096)\n"
+        "    opt.step()\n"
+        "assert opt.flat_buffers()[0].backend == 'compiled'\n"
+        "y = torch.full((1 << 21,), -1.8e-40)\n"
+        "print('flushed', int((y >= 0).sum()), torch.tensor([1e-40]).item() > 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "flushed 0 True" in out.stdout, out.stdout

@@ -50,6 +50,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dml_optim.backends import eager as _eager
 from dml_optim.backends.base import CompiledPlan, MaskedUpdate, StepRequest, grad_range, runtime
@@ -387,13 +388,27 @@ class CompiledBackend:
     def _launch(opt, key, args: list, device, counting) -> bool:
         """Call ``key``'s kernel on ``args``: a compile failure or dynamo's recompile limit makes ``opt``
         fall back, loudly and once (False: the caller runs eagerly); the caller's subnormal mode is kept."""
+        if not _POOL_STARTED and torch.device(device).type == "cpu":
+            _start_thread_pool()
+        flushed = _denormals_flushed()
+        try:
+            return CompiledBackend._call(opt, key, args, device, counting)
+        finally:
+            if not flushed and _denormals_flushed():
+                # torch 2.4's inductor builds CPU kernels with -ffast-math; with gcc < 13 that links
+                # crtfastmath.o, whose constructor turns on flush-to-zero for the loading thread whenever a kernel's
+                # module is loaded (its first call, or the direct call made after it): the caller's
+                # floating-point semantics must not change behind its back
+                torch.set_flush_denormal(False)
+
+    @staticmethod
+    def _call(opt, key, args: list, device, counting) -> bool:
         fn = kernel(key)
         direct = getattr(fn, "_dml_direct", None)
         if direct is not None and args[0].shape[0] >= 2:
             call = functools.partial(direct, args)
         else:
             call = functools.partial(fn, *args)
-        flushed = _denormals_flushed()
         frames = _frames_compiled()
         try:
             if counting is not None:
@@ -405,11 +420,6 @@ class CompiledBackend:
             _BROKEN[key] = f"compilation failed ({type(exc).__name__}: {first})"
             fall_back(opt, device, _BROKEN[key])
             return False
-        if not flushed and _denormals_flushed():
-            # torch 2.4's inductor builds CPU kernels with -ffast-math; with gcc < 13 that links
-            # crtfastmath.o, whose constructor turns on flush-to-zero for the loading thread: the
-            # caller's floating-point semantics must not change behind its back
-            torch.set_flush_denormal(False)
         if _frames_compiled() != frames and _cache_entries(fn) >= _recompile_limit():
             _BROKEN[key] = (f"dynamo's recompile limit ({_recompile_limit()}) was reached for kernel "
                             f"{_key_name(key)}; dynamo would run it uncompiled from now on")
@@ -421,6 +431,20 @@ class CompiledBackend:
             except Exception:  # pragma: no cover - an unforeseen graph: dynamo's call stays
                 fn._dml_direct = None
         return True
+
+
+#: The CPU's intra-op worker threads were started before any kernel module was loaded (:func:`_start_thread_pool`).
+_POOL_STARTED: list[bool] = []
+
+
+def _start_thread_pool() -> None:
+    """Start torch's intra-op worker threads (one parallel op) before the first CPU kernel module loads: a module
+    built with -ffast-math (torch 2.4's inductor, gcc < 13) turns flush-to-zero on in the loading thread, which
+    :meth:`CompiledBackend._launch` turns off again, but worker threads started while it is on inherit it and keep
+    it (every parallel op of the caller's would then flush subnormals in some of its threads)."""
+    _POOL_STARTED.append(True)
+    with torch.no_grad(), _disable_current_modes():  # (not the step's work: no op counter sees it)
+        torch.ones(1 << 20).add_(1)
 
 
 #: The compiled backend.
