@@ -69,6 +69,11 @@ def test_every_source_is_committed_and_complete():
             assert all(r["status"] == "measured" or r["reason"] for r in doc["rows"]), path
             assert {r["zero_grad"] for r in doc["rows"] if r["config"] == "torch-fp32" and r["status"] == "measured"} == {
                 "set_to_none=True", "set_to_none=False"}, path
+        elif key == "fits":  # the deepest GPT in the budget: each row's depth measured to fit, the next not to
+            assert doc["schema"] == "dml-optim-fits/1" and doc["rows"][0]["config"] == "torch-fp32", path
+            for r in doc["rows"]:
+                assert r["depth"] >= 1 and r["peak_bytes"] <= doc["budget_bytes"] < r["next_peak_bytes"], (path, r)
+                assert str(r["depth"]) in r["measured"] and str(r["depth"] + 1) in r["measured"], (path, r)
         else:
             device = "cpu" if key == "lowbit" else key  # the low-bit row is a CPU run of its own
             assert doc["complete"] and not doc["quick"] and doc["device"].startswith(device), path
