@@ -196,14 +196,15 @@ def _wide_batch(i: int, dtype):
     return torch.randn(16, 128, generator=g).to(dtype), torch.randn(16, 8, generator=g).to(dtype)
 
 
-def _train_wide(net, opt, steps: int, dtype, *, inside: bool):
+def _train_wide(net, opt, steps: int, dtype, *, inside: bool, scheduler=None):
     for i in range(steps):
         x, y = _wide_batch(i, dtype)
         # (the loss in float32: torch 2.4's CPU mse_loss has no float16/bfloat16 kernel)
         torch.nn.functional.mse_loss(net(x, side=i % 2 == 1).float(), y.float()).backward()
-        if not inside:
-            opt.step()
+        opt.step()  # (inside backward: nothing is left to step)
         opt.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -239,15 +240,19 @@ _BACKENDS = [
 @pytest.mark.parametrize("run_bytes", [0, 1 << 30], ids=["runs", "one-run"])
 def test_every_backend_equals_the_plain_step_bit_for_bit(name, dtype, options, run_bytes):
     """The eager rule (DirectML's path), the compiled kernel and low-bit states step a run in place, reading
-    its gradients from a window the size of the run: parameters and state_dict equal the plain loop's bit for
-    bit; no flat gradient buffer exists, no parameter moved, the window holds the largest run only."""
+    its gradients from a window the size of the run, under a scheduler changing lr every step: parameters and
+    state_dict equal the plain loop's bit for bit; no flat gradient buffer exists, no parameter moved, the
+    window holds the largest run only."""
     plain, inside = _wide_net(dtype), _wide_net(dtype)
     opt_a = build(name, list(plain.parameters()), lr=1e-3, **options)
     opt_b = build(name, list(inside.parameters()), lr=1e-3, **options)
+    warmup = lambda step: (step + 1) / 4  # noqa: E731  (a new lr every step)
+    sched_a = torch.optim.lr_scheduler.LambdaLR(opt_a, warmup)
+    sched_b = torch.optim.lr_scheduler.LambdaLR(opt_b, warmup)
     handle = step_in_backward(opt_b, run_bytes=run_bytes)
     before = [p.data_ptr() for p in inside.parameters()]
-    _train_wide(plain, opt_a, 4, dtype, inside=False)
-    _train_wide(inside, opt_b, 4, dtype, inside=True)
+    _train_wide(plain, opt_a, 4, dtype, inside=False, scheduler=sched_a)
+    _train_wide(inside, opt_b, 4, dtype, inside=True, scheduler=sched_b)
     assert handle.steps >= 4
     assert [p.data_ptr() for p in inside.parameters()] == before  # (nothing re-packed)
     for p, q in zip(plain.parameters(), inside.parameters()):
