@@ -387,3 +387,26 @@ def test_a_gradient_unlike_its_parameter_raises_before_anything_is_written(backe
     for k, st in opt.state_dict()["state"].items():
         for n, v in states[k].items():
             assert torch.equal(st[n], v)
+
+
+def test_a_backward_whose_step_raises_leaves_the_next_backward_a_fresh_start():
+    """A run's step raising (an lr that does not validate) ends that backward with the error; after the setting
+    is fixed, the next backward checks, steps every run and flushes the incomplete one, as a fresh one does."""
+    net = _wide_net(torch.float32)
+    opt = build("adamw", list(net.parameters()), lr=1e-3, backend="eager")
+    handle = step_in_backward(opt, run_bytes=0)
+    opt.param_groups[0]["lr"] = -1.0
+    x, y = _wide_batch(0, torch.float32)
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match="lr"):
+        torch.nn.functional.mse_loss(net(x, side=True), y).backward()
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))  # (the first run raised: none stepped)
+    assert all(not run.pending for run in handle.runs)
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.zero_grad(set_to_none=True)
+    steps = handle.steps
+    torch.nn.functional.mse_loss(net(x, side=False), y).backward()  # (the side head's run stays incomplete)
+    assert handle.steps - steps == len(handle.runs) - sum(all(p in set(net.side.parameters()) for p in run.params)
+                                                          for run in handle.runs)
+    assert all(p.grad is None for p in net.parameters())
+    assert not torch.equal(net.head.weight, before[6])

@@ -280,16 +280,22 @@ class StepInBackward:
         where = self._where.get(id(p))
         if where is None or p.grad is None:
             return
-        if not self._queued:  # the first gradient of this backward: what the runs were cut for still holds?
-            self._check_setup()
-            # the runs left incomplete (unused parameters) step when backward ends
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-            self._queued = True
-        run, j = where
-        run.pending[j] = p.grad
-        p.grad = None
-        if run.complete:
-            self._step(run)
+        try:
+            if not self._queued:  # the first gradient of this backward: what the runs were cut for still holds?
+                self._check_setup()
+                # the runs left incomplete (unused parameters) step when backward ends
+                torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+                self._queued = True
+            run, j = where
+            run.pending[j] = p.grad
+            p.grad = None
+            if run.complete:
+                self._step(run)
+        except BaseException:  # (this backward is over: the next one starts afresh, its own checks and callback)
+            self._queued = False
+            for run in self.runs:
+                run.pending.clear()
+            raise
 
     def _check_setup(self) -> None:
         if [p.requires_grad for p in self._params()] != self._trainable:
