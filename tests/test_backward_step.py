@@ -222,6 +222,8 @@ _BACKENDS = [
     ("adamw", torch.float32, dict(backend="eager", state_bits=4)),
     ("adam", torch.float32, dict(backend="eager", state_bits=8)),
     ("adagrad", torch.float32, dict(backend="eager", state_bits=4)),
+    ("momentum", torch.float32, dict(backend="eager", state_bits=8)),
+    ("dml-adam", torch.float32, dict(backend="eager", state_bits=4)),
     ("adamw", torch.float32, dict(state_bits=8)),
     ("adamw", torch.bfloat16, dict(backend="eager", kahan=True, state_bits=8)),
     ("adamw", torch.bfloat16, dict(backend="eager", master_weights=True)),
