@@ -50,13 +50,12 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from dml_optim.backends import eager as _eager
 from dml_optim.backends.base import CompiledPlan, MaskedUpdate, StepRequest, grad_range, runtime
 from dml_optim.backends.direct import _Capture, _Direct, _direct_eligible, _make_direct
 from dml_optim.backends.inductor import (_dynamo_counters, _denormals_flushed, _emulates_casts, _frames_compiled,
-                                         _has_option, _options, compile_available)
+                                         _has_option, _options, compile_available, start_thread_pool)
 from dml_optim.backends.modes import counting_kernels, dispatch_mode_active, is_compiling
 from dml_optim.core.dtypes import compute_dtype
 from dml_optim.core.quant import QuantizedState, chunk_elements, warm_tables
@@ -388,8 +387,8 @@ class CompiledBackend:
     def _launch(opt, key, args: list, device, counting) -> bool:
         """Call ``key``'s kernel on ``args``: a compile failure or dynamo's recompile limit makes ``opt``
         fall back, loudly and once (False: the caller runs eagerly); the caller's subnormal mode is kept."""
-        if not _POOL_STARTED and torch.device(device).type == "cpu":
-            _start_thread_pool()
+        if torch.device(device).type == "cpu":
+            start_thread_pool()
         flushed = _denormals_flushed()
         try:
             return CompiledBackend._call(opt, key, args, device, counting)
@@ -431,20 +430,6 @@ class CompiledBackend:
             except Exception:  # pragma: no cover - an unforeseen graph: dynamo's call stays
                 fn._dml_direct = None
         return True
-
-
-#: The CPU's intra-op worker threads were started before any kernel module was loaded (:func:`_start_thread_pool`).
-_POOL_STARTED: list[bool] = []
-
-
-def _start_thread_pool() -> None:
-    """Start torch's intra-op worker threads (one parallel op) before the first CPU kernel module loads: a module
-    built with -ffast-math (torch 2.4's inductor, gcc < 13) turns flush-to-zero on in the loading thread, which
-    :meth:`CompiledBackend._launch` turns off again, but worker threads started while it is on inherit it and keep
-    it (every parallel op of the caller's would then flush subnormals in some of its threads)."""
-    _POOL_STARTED.append(True)
-    with torch.no_grad(), _disable_current_modes():  # (not the step's work: no op counter sees it)
-        torch.ones(1 << 20).add_(1)
 
 
 #: The compiled backend.

@@ -14,8 +14,9 @@ import shutil
 import sys
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["compile_available"]
+__all__ = ["compile_available", "start_thread_pool"]
 
 
 def _dynamo_supported() -> tuple[bool, str]:
@@ -128,3 +129,18 @@ def _denormals_flushed() -> bool:
     """True when this thread flushes subnormal floats to zero (x86 FTZ/DAZ)."""
     return sys.float_info.min * 0.5 == 0.0
 
+
+#: The CPU's intra-op worker threads were started before any kernel module was loaded (:func:`start_thread_pool`).
+_POOL_STARTED: list[bool] = []
+
+
+def start_thread_pool() -> None:
+    """Start torch's intra-op worker threads (one parallel op, once) before the first CPU kernel module loads: a
+    module built with -ffast-math (torch 2.4's inductor, gcc < 13) turns flush-to-zero on in the loading thread,
+    which the compiled backend's launch turns off again, but worker threads started while it is on inherit it and
+    keep it (every parallel op of the caller's would then flush subnormals in some of its threads)."""
+    if _POOL_STARTED:
+        return
+    _POOL_STARTED.append(True)
+    with torch.no_grad(), _disable_current_modes():  # (not the step's work: no op counter sees it)
+        torch.ones(1 << 20).add_(1)
