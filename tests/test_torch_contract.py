@@ -526,6 +526,57 @@ def test_step_hooks_and_global_step_hooks_run_like_torchs(name):
     assert logs["ours"] == logs["torch"] == ["global pre", "pre changed=False", "post changed=True", "global post"]
 
 
+def test_a_step_pre_hook_rewrites_the_call_and_a_bad_result_raises_like_torchs():
+    """A pre hook returning ``(args, kwargs)`` replaces the call (here: adds a closure), and one returning
+    anything else raises torch's RuntimeError before the step writes anything."""
+    results = {}
+    for key, cls in (("ours", dml_optim.AdamW), ("torch", torch.optim.AdamW)):
+        model = _model(dtype=torch.float64)
+        opt = cls(model.parameters(), lr=0.1, **({} if key == "ours" else {"foreach": False}))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        called = []
+        handle = opt.register_step_pre_hook(lambda o, a, k: (a, {"closure": lambda: called.append(1) or 7.0}))
+        loss = opt.step()
+        handle.remove()
+        before = [p.detach().clone() for p in model.parameters()]
+        handle = opt.register_step_pre_hook(lambda o, a, k: "not a tuple")
+        with pytest.raises(RuntimeError, match="must return None or a tuple"):
+            opt.step()
+        handle.remove()
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        results[key] = (loss, called, [p.detach().clone() for p in model.parameters()])
+    assert results["ours"][:2] == results["torch"][:2] == (7.0, [1])
+    for a, b in zip(results["ours"][2], results["torch"][2]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_profiler_sees_the_step_range_and_no_range_is_entered_without_one(monkeypatch):
+    """Under ``torch.profiler`` the step is the range ``Optimizer.step#AdamW.step``, as torch.optim's; with no
+    profiler running it enters no ``record_function`` (torch.optim's does, every step: about 15 us)."""
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = dml_optim.AdamW([p], lr=0.1)
+    opt.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert "Optimizer.step#AdamW.step" in {e.name for e in prof.events()}
+    entered = []
+    real = torch.autograd.profiler.record_function
+
+    def spy(*args, **kwargs):
+        entered.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", spy)
+    opt.step()
+    assert entered == []
+    twin = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))], lr=0.1, foreach=False)
+    twin.param_groups[0]["params"][0].grad = torch.ones(4)
+    twin.step()
+    assert entered == [("Optimizer.step#AdamW.step",)]  # (the spy sees what torch's wrapper enters)
+
+
 # -- named parameters, duplicates, torch's keys, checkpoints both ways -----------------------------------
 
 

@@ -47,6 +47,7 @@ from dml_optim.backends.modes import is_compiling as _is_compiling
 from dml_optim.core.flat import describe_param
 from dml_optim.optimizers.contract import ContractMixin
 from dml_optim.optimizers.engine import EngineMixin
+from dml_optim.optimizers.hooks import hook_step
 from dml_optim.optimizers.introspect import BufferInfo, buffer_infos
 from dml_optim.optimizers.layout import GroupLayout, LayoutMixin
 from dml_optim.optimizers.spec import REQUIRED, OptimizerSpec, agree, sync_group
@@ -314,6 +315,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
 
     # -- stepping -------------------------------------------------------------------------------------
 
+    @hook_step  # (torch.optim's step hooks; its profiler range only while a profiler runs)
     def step(self, closure: Callable[[], Any] | None = None):
         """Perform one optimization step; ``closure`` re-evaluates the loss."""
         if closure is None and self._steady is not None and not _is_compiling():
