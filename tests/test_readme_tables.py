@@ -169,10 +169,10 @@ def test_the_headline_tables_follow_their_sources():
 
 
 def _older(doc: dict) -> dict:
-    """``doc`` as a run before 2026-11-25 wrote it: no targets beside the rows, no None-pattern or
-    construction records (the committed CUDA document is one)."""
+    """``doc`` as a run before 2026-11-25 wrote it: no targets beside the rows, no None-pattern,
+    construction or loop records (the committed CUDA document is one)."""
     doc = copy.deepcopy(doc)
-    for key in ("nonepattern", "construction"):
+    for key in ("nonepattern", "construction", "loops", "loops_eager"):
         doc.pop(key, None)
     for ref in doc["references"]:
         ref.pop("targets", None)
@@ -180,7 +180,7 @@ def _older(doc: dict) -> dict:
         for key in ("row", "optimizer", "workload", "versus", "reason"):
             t.pop(key, None)
     doc["targets"] = [t for t in doc["targets"] if "None gradients" not in t["target"]
-                      and "construction + first step" not in t["target"]]
+                      and "construction + first step" not in t["target"] and not t["target"].startswith(("loop ", "eager "))]
     return doc
 
 
@@ -190,6 +190,7 @@ def test_a_document_without_row_targets_shows_what_it_has():
     cpu, cuda = _older(readme_tables._load("cpu")), readme_tables._load("cuda")
     section = readme_tables.bench_section(cpu, cuda)
     assert "| targets |" not in section and "None gradients" not in section and "construction + first step" not in section
+    assert "| loop model |" not in section and "DirectML's path" not in section
     for doc in (cpu, cuda):
         assert all(f"| {t['target']} |" in section for t in doc["targets"])
 
@@ -240,6 +241,13 @@ def test_a_document_with_row_targets_shows_each_beside_its_row():
         "| <= 1.5x the steady step: PASS; >= 1.0x torch fused: not measured (torch fused (changing) n/a) |")
     assert line("linear-16x512", "adamw", "compiled: 3.00 (3.00-3.00)", "2.50 (2.50-2.50)", "1.20x").endswith(
         "| <= 1.5x torch fused: PASS |")
+    # the loops people run: each CPU loop row and each eager ratio with its target beside it
+    for rec in cpu["loops"]:
+        (t,) = rec["targets"]
+        assert any(x.startswith(f"| {rec['model']} | {rec['loop']} |") and x.endswith(f"| >= 1.0x torch fused: {t['status']} |")
+                   for x in lines), (rec["model"], rec["loop"])
+    for t in cpu["loops_eager"][0]["targets"]:
+        assert any(x.endswith(f"| {t['target'].split(': ', 1)[1]}: {t['status']} |") for x in lines), t["target"]
     # the targets table lists the others, once; the counts cover all
     counts = {s: sum(t["status"] == s for t in cpu["targets"]) for s in ("PASS", "MISS", "not measured")}
     assert f"Targets: {counts['PASS']} PASS, {counts['MISS']} MISS, {counts['not measured']} not measured in all." in cpu_part

@@ -43,7 +43,7 @@ README = ROOT / "README.md"
 #: The committed documents the tables are written from (paths relative to the repository root).
 SOURCES = {
     "audit": "bench/results/audit-2026-11-28.json",
-    "cpu": "bench/results/cpu-2026-11-27.json",
+    "cpu": "bench/results/cpu-2026-11-28.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-28.json",
     "memory": "bench/results/memory-2026-11-28-backward.json",
@@ -297,7 +297,8 @@ def _new_rows(doc: dict, shown: set[str]) -> list[str]:
     """The None-pattern and construction tables with their note, where ``doc`` has them (the committed documents of
     2026-11-23 do not); their targets' names go to ``shown``."""
     tables = [report.nonepattern_table(doc, shown), report.construction_table(doc, shown)]
-    if not any(tables):
+    loops = [report.loops_table(doc, shown), report.eager_loops_table(doc, shown)]
+    if not any(tables + loops):
         return []
     cold = ("(any kernel already compiled), and the cold first one (with any compile: `fused` compiles nothing; the "
             "ms column says what `auto` ran) apart:" if _fused(doc) else
@@ -307,7 +308,13 @@ def _new_rows(doc: dict, shown: set[str]) -> list[str]:
                   "gradient, assigned the same way; medians (fastest-slowest sample), ops per step over a cycle. "
                   "Construction: 16 Linear(512, 512) layers with gradients (not timed), then the optimizer's construction "
                   "and first step, dml_optim's defaults beside torch fused: the median of fresh optimizers " + cold),
-            "", *_blocks(*tables)]
+            "", *_blocks(*tables),
+            *([_fill("The loops people run (one thread, AdamW): a training loop's optimizer work around `backward()` "
+                     "(gradients simulated identically for both), `zero_grad()` then `step()`; `lambdalr`: a `LambdaLR` "
+                     "changing lr every step; `none+lambdalr`: `zero_grad(set_to_none=True)`, fresh gradient tensors every "
+                     "step, as accelerate and transformers' Trainer run. DirectML's path: `backend=\"eager\"` on the CPU "
+                     "with 16-element tensors, host time per step (what DirectML's dispatch pays on top of its kernels):"),
+               "", *_blocks(*loops)] if any(loops) else [])]
 
 
 def _targets_block(doc: dict, shown: set[str]) -> list[str]:

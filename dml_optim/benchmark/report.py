@@ -3,7 +3,7 @@
 :func:`format_report` prints every section of a document (speed rows, the
 bandwidth references with their passes' GB/s where recorded, compile times,
 memory, CUDA graphs, instances, host work, None patterns, construction,
-failures, what was not measured and why, targets);
+the loops people run (CPU and DirectML's eager path), failures, what was not measured and why, targets);
 :func:`format_summary` one line per speed measurement (what ``backend="auto"``
 runs beside torch.optim) and the targets.  Where a table names what ``auto``
 ran it shows the record's ``auto_runs`` (``fused`` on the CPU;
@@ -30,7 +30,7 @@ from dml_optim.benchmark.timing import reference_name
 from dml_optim.console import DEFAULT_OUTPUT_DIR
 
 __all__ = ["format_report", "format_summary", "memory_table", "graph_table", "instances_table", "host_table",
-           "lowbit_table", "nonepattern_table", "construction_table", "target_cells", "targets_table", "ratio_cell",
+           "lowbit_table", "nonepattern_table", "construction_table", "loops_table", "eager_loops_table", "target_cells", "targets_table", "ratio_cell",
            "not_measured_lines", "default_output_path", "write_json"]
 
 
@@ -280,6 +280,56 @@ def construction_table(doc: dict[str, Any], shown: set[str] | None = None) -> li
                    "cold s: dml_optim / torch fused", "targets"], rows, 2, left_last=1)
 
 
+def _named_cells(targets: list[dict[str, Any]], shown: set[str] | None) -> str:
+    """A row's targets in one cell by the part of their names after the row's own (``">= 1.0x torch fused:
+    PASS"``); names added to ``shown``."""
+    if shown is not None:
+        shown.update(t["target"] for t in targets)
+    return "; ".join(f"{t['target'].split(': ', 1)[-1]}: {_status(t)}" for t in targets) or "none"
+
+
+def loops_table(doc: dict[str, Any], shown: set[str] | None = None) -> list[str]:
+    """The loops people run (CPU, one thread, AdamW): dml_optim beside torch fused per model and loop, ms per
+    iteration as median (fastest-slowest), the round-by-round ratio with its quartiles, and the targets."""
+    rows = []
+    for rec in doc.get("loops") or []:
+        by = {r["candidate"]: r for r in rec["rows"]}
+        rows.append([rec["model"], rec["loop"], f"{rec['tensors']} / {rec['parameters']:,}",
+                     _spread(by.get("dml_optim") or {}, "ms_per_step"), _spread(by.get("torch fused") or {}, "ms_per_step"),
+                     ratio_cell(rec["ratio_fused_to_ours"], rec.get("spread_fused_to_ours")),
+                     _named_cells(rec.get("targets", []), shown)])
+    if not rows:
+        return []
+    return _table(["loop model", "loop", "tensors / parameters", "dml_optim ms", "torch fused ms",
+                   "torch fused / dml_optim", "targets"], rows, 3, left_last=1)
+
+
+def eager_loops_table(doc: dict[str, Any], shown: set[str] | None = None) -> list[str]:
+    """DirectML's path (``backend="eager"``, host time per step, 16-element tensors): each candidate's us per step
+    as median (fastest-slowest), then the three ratios with their quartiles and the targets."""
+    lines = []
+    for rec in doc.get("loops_eager") or []:
+        us = [[r["candidate"], f"{r['ms_per_step'] * 1e3:.1f} ({r['ms_min'] * 1e3:.1f}-{r['ms_max'] * 1e3:.1f})"]
+              for r in rec["rows"]]
+        many = rec["tensors_many"]
+
+        def targets(prefix: str) -> list[dict[str, Any]]:
+            return [t for t in rec.get("targets", []) if t["target"].startswith(prefix)]
+
+        ratios = [("1 tensor / torch's for-loop AdamW, 1 tensor", ratio_cell(rec["ratio_to_forloop"], rec.get("spread_to_forloop")),
+                   targets("eager steady step, 1 tensor:")),
+                  ("lr changing / steady, 1 tensor", ratio_cell(rec["ratio_lr_change"], rec.get("spread_lr_change")),
+                   targets("eager step with a new lr:")),
+                  (f"{many} tensors / 1 tensor (default checks)", ratio_cell(rec["ratio_many"], rec.get("spread_many")),
+                   targets(f"eager steady step, {many} tensors:")),
+                  (f"{many} tensors / 1 tensor, checks=\"refs\" (information)",
+                   ratio_cell(rec["ratio_many_refs"], rec.get("spread_many_refs")), [])]
+        lines += [*_table(["eager step (DirectML's path)", "host us per step"], us, 1), "",
+                  *_table(["eager ratio", "measured", "target"],
+                          [[name, value, _named_cells(t, shown)] for name, value, t in ratios], 1, left_last=1)]
+    return lines
+
+
 def ratio_cell(value: float | None, spread: list[float] | None) -> str:
     """``"1.02x (0.97-1.06)"``: a ratio taken round by round with its quartiles (``spread``; None: the ratio alone)."""
     if value is None:
@@ -318,7 +368,7 @@ def _failures(doc: dict[str, Any]) -> list[str]:
 def format_report(doc: dict[str, Any]) -> str:
     """Every section of ``doc`` as markdown tables, then failures and the targets."""
     parts = [[_header(doc)], _speed(doc), memory_table(doc), graph_table(doc), instances_table(doc), host_table(doc),
-             lowbit_table(doc), nonepattern_table(doc), construction_table(doc),
+             lowbit_table(doc), nonepattern_table(doc), construction_table(doc), loops_table(doc), eager_loops_table(doc),
              _failures(doc), not_measured_lines(doc), targets_table(doc)]
     return "\n\n".join("\n".join(p) for p in parts if p)
 
