@@ -339,9 +339,13 @@ def test_the_low_bit_row_measures_ours_and_says_which_peers_are_missing(monkeypa
     assert rows["torchao AdamW4bit"]["reason"].startswith("not installed")
     assert rows["dml_optim 8-bit"]["ratio_to_fused"] > 0
     doc = {"device": "cpu", "results": [], "references": [], "lowbit": [record]}
-    (target,) = [t for t in benchmark.check_targets(doc) if "8-bit" in t["target"]]
+    target, fused = [t for t in benchmark.check_targets(doc) if "8-bit" in t["target"]]
     assert target["target"] == "one-1m AdamW 8-bit >= 1.0x bitsandbytes AdamW8bit"
     assert (target["status"] == "not measured") is (not rows["bitsandbytes AdamW8bit"]["available"])
+    # (issue 34's CPU bar: half torch's fused FP32 step; its value is torch fused's time over ours)
+    assert fused["target"] == "one-1m AdamW 8-bit >= 0.5x torch fused FP32 AdamW" and fused["required"] == 0.5
+    assert fused["measured"] == rows["torch fused"]["ms_per_step"] / rows["dml_optim 8-bit"]["ms_per_step"]
+    assert fused["status"] == ("PASS" if fused["measured"] >= 0.5 else "MISS")
 
 
 def test_the_cpu_reference_is_the_stream_limit_of_in_place_passes():
