@@ -551,6 +551,25 @@ def test_a_step_pre_hook_rewrites_the_call_and_a_bad_result_raises_like_torchs()
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_a_subclass_overriding_step_runs_each_hook_once_per_step():
+    """torch wraps a subclass's own ``step``; its ``super().step()`` (ours, wrapped already) runs no hook again."""
+    class Logged(dml_optim.AdamW):
+        def step(self, closure=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = Logged([p], lr=0.1)
+    log = []
+    opt.register_step_pre_hook(lambda o, a, k: log.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: log.append("post"))
+    opt.step()
+    opt.step()
+    assert opt.calls == 2 and log == ["pre", "post"] * 2
+    assert not torch.equal(p.detach(), torch.ones(4))
+
+
 def test_the_profiler_sees_the_step_range_and_no_range_is_entered_without_one(monkeypatch):
     """Under ``torch.profiler`` the step is the range ``Optimizer.step#AdamW.step``, as torch.optim's; with no
     profiler running it enters no ``record_function`` (torch.optim's does, every step: about 15 us)."""

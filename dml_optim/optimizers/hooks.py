@@ -7,7 +7,8 @@ host time of an eager step of one tensor, what DirectML's path pays every step).
 ``FlatOptimizer.step`` once, marked ``hooked`` so that torch does not wrap it again: while a profiler (or
 ``emit_nvtx`` / ``emit_itt``) runs, and while dynamo traces the step, the call goes through torch's own wrapper, range and hooks as torch.optim
 has them; otherwise the same hooks, in the same order, with the same argument rewriting, without the range.
-A torch without the hook tables this reads (none known) keeps torch's wrapper for every call.
+A subclass that overrides ``step`` gets torch's wrapper on its own ``step`` (torch wraps it at construction); its
+``super().step()`` then runs no hooks a second time.  A torch without the hook tables this reads (none known) keeps torch's wrapper for every call.
 
 May import: torch, dml_optim.backends.modes.
 """
@@ -39,6 +40,8 @@ def hook_step(func: Callable) -> Callable:
 
     @functools.wraps(func)
     def step(self, *args, **kwargs):
+        if type(self).step is not step:  # (a subclass's own step, which torch wrapped, called this: its hooks ran)
+            return func(self, *args, **kwargs)
         if is_compiling() or _PROFILING():
             return profiled(self, *args, **kwargs)
         pre, post = self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks
