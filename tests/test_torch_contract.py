@@ -29,6 +29,7 @@ op chain, whose twin is torch's single-tensor implementation
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import math
 import warnings
@@ -551,28 +552,65 @@ def test_a_step_pre_hook_rewrites_the_call_and_a_bad_result_raises_like_torchs()
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_a_subclass_overriding_step_runs_each_hook_once_per_step():
-    """torch wraps a subclass's own ``step``; its ``super().step()`` (ours, wrapped already) runs no hook again."""
-    class Logged(dml_optim.AdamW):
+def _one_step_log(opt, p):
+    """What one step's hooks saw: each hook's name with the args and kwargs it was given."""
+    log = []
+    handles = [opt.register_step_pre_hook(lambda o, a, k: log.append(("pre", a, k))),
+               opt.register_step_post_hook(lambda o, a, k: log.append(("post", a, k)))]
+    p.grad = torch.ones(4)
+    opt.step()
+    for h in handles:
+        h.remove()
+    return log
+
+
+def _decorated(step):
+    @functools.wraps(step)  # (copies step's attributes: ``hooked`` included, so torch does not wrap it again)
+    def logged(self, *args, **kwargs):
+        self.calls = getattr(self, "calls", 0) + 1
+        return step(self, *args, **kwargs)
+    return logged
+
+
+def test_a_subclass_or_patched_step_runs_each_hook_once_per_step(monkeypatch):
+    """However a subclass's ``step`` reaches ours (an override that torch wraps, a ``functools.wraps``
+    decorator, the class patched after construction), every hook runs once a step, given ``(opt,)`` and ``{}``
+    as torch.optim's are, and the step equals a plain AdamW's."""
+    class Override(dml_optim.AdamW):
         def step(self, closure=None):
             self.calls = getattr(self, "calls", 0) + 1
             return super().step(closure)
 
-    p = torch.nn.Parameter(torch.ones(4))
-    p.grad = torch.ones(4)
-    opt = Logged([p], lr=0.1)
-    log = []
-    opt.register_step_pre_hook(lambda o, a, k: log.append("pre"))
-    opt.register_step_post_hook(lambda o, a, k: log.append("post"))
-    opt.step()
-    opt.step()
-    assert opt.calls == 2 and log == ["pre", "post"] * 2
-    assert not torch.equal(p.detach(), torch.ones(4))
+    class Decorated(dml_optim.AdamW):
+        step = _decorated(dml_optim.AdamW.step)
+
+    class Patched(dml_optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    def run(cls, patch=False):
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = cls([p], lr=0.1)
+        if patch:  # (after construction: torch's wrapper of the class's step is what gets decorated)
+            monkeypatch.setattr(cls, "step", _decorated(cls.step))
+        return opt, p, [_one_step_log(opt, p) for _ in range(2)]
+
+    plain, p_plain, plain_log = run(dml_optim.AdamW)
+    twin_p = torch.nn.Parameter(torch.ones(4))
+    twin = torch.optim.AdamW([twin_p], lr=0.1, foreach=False)
+    assert _one_step_log(twin, twin_p) == [("pre", (twin,), {}), ("post", (twin,), {})]
+    assert plain_log == [[("pre", (plain,), {}), ("post", (plain,), {})]] * 2
+    for cls, patch in ((Override, False), (Decorated, False), (Patched, True)):
+        opt, p, log = run(cls, patch)
+        assert log == [[("pre", (opt,), {}), ("post", (opt,), {})]] * 2, cls.__name__
+        assert getattr(opt, "calls", 2) == 2 and torch.equal(p, p_plain), cls.__name__
 
 
-def test_the_profiler_sees_the_step_range_and_no_range_is_entered_without_one(monkeypatch):
-    """Under ``torch.profiler`` the step is the range ``Optimizer.step#AdamW.step``, as torch.optim's; with no
-    profiler running it enters no ``record_function`` (torch.optim's does, every step: about 15 us)."""
+def test_the_step_range_is_seen_by_the_profiler_and_trace_observers_without_torchs_context_manager(
+        monkeypatch, tmp_path):
+    """The step is the range ``Optimizer.step#AdamW.step`` under ``torch.profiler`` and for an execution-trace
+    observer, as torch.optim's is; it is entered without ``record_function`` (torch.optim's wrapper enters that
+    context manager every step: about 15 us on the 2-core VM, profiler or not)."""
     p = torch.nn.Parameter(torch.ones(4))
     p.grad = torch.ones(4)
     opt = dml_optim.AdamW([p], lr=0.1)
@@ -580,6 +618,16 @@ def test_the_profiler_sees_the_step_range_and_no_range_is_entered_without_one(mo
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.step()
     assert "Optimizer.step#AdamW.step" in {e.name for e in prof.events()}
+    observer = torch.profiler.ExecutionTraceObserver()
+    path = tmp_path / "trace.json"
+    observer.register_callback(str(path))
+    observer.start()
+    try:
+        opt.step()
+    finally:
+        observer.stop()
+        observer.unregister_callback()
+    assert "Optimizer.step#AdamW.step" in path.read_text()
     entered = []
     real = torch.autograd.profiler.record_function
 

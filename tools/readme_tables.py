@@ -294,21 +294,20 @@ def _blocks(*blocks: list[str]) -> list[str]:
 
 
 def _new_rows(doc: dict, shown: set[str]) -> list[str]:
-    """The None-pattern and construction tables with their note, where ``doc`` has them (the committed documents of
-    2026-11-23 do not); their targets' names go to ``shown``."""
+    """The None-pattern and construction tables with their note, then the loop tables (the CPU loops, DirectML's
+    eager path) with theirs, each where ``doc`` has them (the committed documents of 2026-11-23 have none, those
+    before 2026-11-28 no loops); their targets' names go to ``shown``."""
     tables = [report.nonepattern_table(doc, shown), report.construction_table(doc, shown)]
     loops = [report.loops_table(doc, shown), report.eager_loops_table(doc, shown)]
-    if not any(tables + loops):
-        return []
     cold = ("(any kernel already compiled), and the cold first one (with any compile: `fused` compiles nothing; the "
             "ms column says what `auto` ran) apart:" if _fused(doc) else
             "with the kernel already compiled, and the cold first one (with the compile) apart:")
-    return [_fill("None gradients: at each step a seeded random 70% of 40 tensors of 128 x 128 have a gradient and the "
+    return [*([_fill("None gradients: at each step a seeded random 70% of 40 tensors of 128 x 128 have a gradient and the "
                   "others `None`, the pattern changing every step (64 patterns, cycled), beside steady steps with every "
                   "gradient, assigned the same way; medians (fastest-slowest sample), ops per step over a cycle. "
                   "Construction: 16 Linear(512, 512) layers with gradients (not timed), then the optimizer's construction "
                   "and first step, dml_optim's defaults beside torch fused: the median of fresh optimizers " + cold),
-            "", *_blocks(*tables),
+               "", *_blocks(*tables)] if any(tables) else []),
             *([_fill("The loops people run (one thread, AdamW): a training loop's optimizer work around `backward()` "
                      "(gradients simulated identically for both), `zero_grad()` then `step()`; `lambdalr`: a `LambdaLR` "
                      "changing lr every step; `none+lambdalr`: `zero_grad(set_to_none=True)`, fresh gradient tensors every "

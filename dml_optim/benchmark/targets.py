@@ -54,7 +54,8 @@ _CUDA_COPY = (("adam", "momentum"), ("gpt2", "one-256m"), 0.9)
 #: CPU: the issues' resnet50 targets against torch fused (the other rows get 1.0x).
 _CPU_RESNET50 = (("adam", 1.1), ("adagrad", 1.0), ("momentum", 1.0))
 _TITLE = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "momentum": "Momentum"}
-#: CPU: the compiled 8-bit AdamW step at 16M elements, at least this fraction of torch's fused FP32 step (issue 34).
+#: CPU: the 8-bit AdamW step (``auto``: compiled) on the low-bit row's workload (16M elements in a full run), at least
+#: this fraction of torch's fused FP32 step (issue 34).
 LOWBIT_VS_FUSED_CPU = 0.5
 #: The document's list that holds the record of each kind of measurement a target can name.
 RECORD_LISTS = {"speed": "references", "frozen": "references", "nonepattern": "nonepattern", "construction": "construction",
