@@ -315,7 +315,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
 
     # -- stepping -------------------------------------------------------------------------------------
 
-    @hook_step  # (torch.optim's step hooks; its profiler range only while a profiler runs)
+    @hook_step  # (torch.optim's step hooks and profiler range, without torch's costlier context manager)
     def step(self, closure: Callable[[], Any] | None = None):
         """Perform one optimization step; ``closure`` re-evaluates the loss."""
         if closure is None and self._steady is not None and not _is_compiling():
