@@ -159,7 +159,8 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed:
         model = torch.nn.Sequential(*layers).to(device=device, dtype=dtype)
         x = torch.randn(spec.batch, spec.width, device=device, dtype=dtype)
         y = torch.randn(spec.batch, spec.width, device=device, dtype=dtype)
-        return model, lambda: torch.nn.functional.mse_loss(model(x), y)
+        # (the loss in float32, as the GPT's: torch 2.4.1, torch-directml's, has no bfloat16 mse_loss on the CPU)
+        return model, lambda: torch.nn.functional.mse_loss(model(x).float(), y.float())
     model = _GPT(spec).to(device=device, dtype=dtype)
     tokens = torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
