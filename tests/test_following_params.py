@@ -288,6 +288,36 @@ def test_zero_grad_right_after_a_cast_leaves_grads_in_the_new_dtype(how):
     opt.step()
 
 
+_ROUND_TRIPS = {
+    "to-float64-and-back": lambda m: m.to(torch.float64).to(torch.float32),
+    "half-and-back": lambda m: m.half().float(),
+    "grad-data-rebound": lambda m: [setattr(p.grad, "data", p.grad.data.clone()) for p in m.parameters()],
+}
+
+
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+@pytest.mark.parametrize("how", sorted(_ROUND_TRIPS))
+def test_zero_grad_zeroes_gradients_whose_data_was_rebound(how, backend):
+    """A round trip of casts (``model.to()`` re-points each gradient's ``.data``, the gradient object staying the
+    same) or a ``p.grad.data = t`` between steps: ``zero_grad(set_to_none=False)`` zeroes what ``p.grad`` holds,
+    as torch's does, so the next backward does not add to the old gradient (it once zeroed only the flat buffer)."""
+    ours_model, torch_model = make_model(torch.float32), make_model(torch.float32)
+    torch_model.load_state_dict(ours_model.state_dict())
+    twin = TWINS[2]  # AdamW
+    ours, theirs = twin.ours(list(ours_model.parameters()), backend=backend), twin.theirs(list(torch_model.parameters()))
+    for k, (x, y) in enumerate(_inputs(4)):
+        for model, opt in ((ours_model, ours), (torch_model, theirs)):
+            opt.zero_grad(set_to_none=False)
+            if k == 2:
+                assert all(p.grad.abs().sum() == 0 for p in model.parameters())
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            if k == 1:
+                _ROUND_TRIPS[how](model)
+        for a, b in zip(ours_model.parameters(), torch_model.parameters()):
+            assert_close(a, b, **TORCH_ADAM_FLOAT32)
+
+
 # -- what cannot be followed ------------------------------------------------------------------------------
 
 

@@ -273,8 +273,10 @@ class GradientsMixin:
                 self.grad[a:b].zero_()  # buffer zeroes them first, the optimizer's _bind)
         else:
             self.grad.zero_()
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if g is not None and not self.holds_grad(i, g):  # a None gradient stays None, as in torch.optim
+        # a None gradient stays None, as in torch.optim; any other that is not its view, still pointing there (a
+        # ``.grad.data = t`` re-points the view itself: ``model.to()`` and ``.half()`` do), gets its zeroed view
+        for i, (p, g, ours) in enumerate(zip(self.params, grads, self._grads_ours())):
+            if g is not None and not ours:
                 p.grad = self.grad_view(i)
 
 
