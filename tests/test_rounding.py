@@ -9,7 +9,9 @@ deviation ``sqrt(f (1 - f) / N)`` and the mean of the rounded values
 
 from __future__ import annotations
 
+import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -360,6 +362,38 @@ def test_option_is_reproducible_under_a_seed_and_resumes_from_state_dict():
         steps(m, o, range(2, 4))
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(m1.parameters(), m3.parameters()))
+
+
+@pytest.mark.parametrize("generators", [
+    {"cpu": torch.zeros(3, dtype=torch.uint8)},  # a state of the wrong size
+    {"cuda:0": torch.zeros(16, dtype=torch.uint8)} if not torch.cuda.is_available() else {"cpu": torch.zeros(5, dtype=torch.uint8)},
+], ids=["wrong-size", "a-device-this-machine-lacks"])
+def test_a_generator_state_that_cannot_be_restored_is_refused_before_anything_is_written(generators):
+    """A checkpoint whose rounding generator cannot be restored here (one saved on CUDA, loaded on a CPU-only
+    machine; a corrupt one) raises a ValueError naming it, and leaves the optimizer as it was (the states were
+    once written before the generator failed, with torch's own error)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    opt = dml_optim.AdamW(m.parameters(), lr=1e-3, rounding="stochastic", state_bits=8)
+    for i in range(3):
+        m(torch.randn(8, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    m(torch.randn(8, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    opt.step()  # (the optimizer moves on: the load below would take it back to step 3)
+    params = [p.detach().clone() for p in m.parameters()]
+    before = copy.deepcopy(opt.state_dict())
+    bad = {**saved, "dml_optim": {**saved["dml_optim"], "rounding_generators": generators}}
+    with pytest.raises(ValueError, match=r"rounding_generators.*" + re.escape(repr(next(iter(generators))))):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert float(after["state"][0]["step"]) == float(before["state"][0]["step"]) == 4.0
+    for key in before["state"][0]:
+        assert torch.equal(torch.as_tensor(after["state"][0][key]), torch.as_tensor(before["state"][0][key])), key
+    assert all(torch.equal(a, b) for a, b in zip(after["dml_optim"]["rounding_generators"].values(),
+                                                 before["dml_optim"]["rounding_generators"].values()))
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
 
 
 @pytest.mark.parametrize("options, match", [

@@ -18,7 +18,7 @@ from dml_optim.core.flat import describe_param, local_tensor
 from dml_optim.core.options import LOW_PRECISION_DTYPES
 from dml_optim.core.rounding import StochasticRounder
 
-__all__ = ["rounder", "rounding_state", "load_rounding_state", "check_rounding"]
+__all__ = ["rounder", "rounding_state", "check_rounding_state", "load_rounding_state", "check_rounding"]
 
 _ROUNDERS: "weakref.WeakKeyDictionary[Any, dict[str, StochasticRounder]]" = weakref.WeakKeyDictionary()
 
@@ -37,6 +37,17 @@ def rounder(opt, device: torch.device) -> StochasticRounder:
 def rounding_state(opt) -> dict[str, torch.Tensor]:
     """The generator states of ``opt``'s rounders, by device name (empty without ``rounding="stochastic"``)."""
     return {key: r.get_state() for key, r in _ROUNDERS.get(opt, {}).items()}
+
+
+def check_rounding_state(saved: dict[str, torch.Tensor] | None) -> str | None:
+    """Why generator states saved by :func:`rounding_state` cannot be restored here (a device this torch has no
+    generator for, a state of another size), or None: each is set into a trial generator, nothing else."""
+    for key, state in (saved or {}).items():
+        try:
+            torch.Generator(device=torch.device(key)).set_state(state.to("cpu", torch.uint8))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            return f"the generator state of device {key!r} ({state.numel()} bytes) cannot be restored here: {exc}"
+    return None
 
 
 def load_rounding_state(opt, saved: dict[str, torch.Tensor] | None) -> None:

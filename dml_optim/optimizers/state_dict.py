@@ -73,7 +73,7 @@ from dml_optim.core.quant import BLOCK, CODEBOOKS, QuantizedState, format_for
 from dml_optim.core.options import (BACKENDS, MAX_STEP, NONFINITE_MODES, OPTION_NAMES, STATE_DICT_FORMAT_VERSION, check_state_bits,
                                dtype_option)
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS, sync_group
-from dml_optim.optimizers.rounders import load_rounding_state, rounding_state
+from dml_optim.optimizers.rounders import check_rounding_state, load_rounding_state, rounding_state
 from dml_optim.optimizers.states import new_state
 
 __all__ = ["save", "load", "marker", "param_state", "SCHEDULER_KEYS", "EXTRA_STATES", "CODES", "ABSMAX"]
@@ -176,12 +176,15 @@ def load(opt, state_dict: dict[str, Any]) -> None:
     saved_bits = [g.get("state_bits") if version >= 1 else None for g in state_dict["param_groups"]]
     incoming = _check_state(opt, state_dict["state"], index_of, new_groups, version, saved_bits,
                             state_dict.get("dml_optim", {}).get("quantization"))
-    opt._include(sorted(incoming))  # frozen parameters with saved state get packed (their values are unchanged)
     rounding = state_dict.get("dml_optim", {}).get("rounding_generators")
     if rounding is not None and not (isinstance(rounding, dict) and all(
             isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for k, v in rounding.items())):
         _fail(f"'dml_optim'['rounding_generators'] must map device names to generator states (uint8 tensors), "
               f"got {type(rounding).__name__}", TypeError)
+    why = check_rounding_state(rounding)  # (before anything is written: a CUDA checkpoint on a CPU-only machine)
+    if why is not None:
+        _fail(f"'dml_optim'['rounding_generators']: {why}")
+    opt._include(sorted(incoming))  # frozen parameters with saved state get packed (their values are unchanged)
     staged = _stage(opt, new_groups, incoming)
     _write(opt, new_groups, staged)
     load_rounding_state(opt, rounding)
