@@ -423,6 +423,13 @@ def test_a_malformed_quantized_entry_is_refused_by_name():
     del sd["dml_optim"]["quantization"]
     with pytest.raises(ValueError, match="quantization=None"):
         _build("adamw", _model(), 8).load_state_dict(sd)
+    for name in ("exp_avg", "exp_avg_sq"):  # a negative block maximum: every sign flipped, or NaN after a step
+        sd = _saved(opt.state_dict())
+        sd["state"][0][f"{name}_absmax"] = -sd["state"][0][f"{name}_absmax"]
+        fresh = _build("adamw", _model(), 8)
+        with pytest.raises(ValueError, match=rf"'{name}_absmax'\] holds \d+ negative block maxima"):
+            fresh.load_state_dict(sd)
+        assert fresh.state_dict()["state"] == {}  # (nothing was written)
 
 
 # -- every path around the rule ---------------------------------------------------------------------

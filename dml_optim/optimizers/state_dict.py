@@ -405,6 +405,10 @@ def _quantized_entry(cls, entry: dict, names: set, bits, quantization, p, where:
             if t.shape != (length,):
                 _fail(f"{where}[{key!r}] has shape {tuple(t.shape)}, expected ({length},) for {n} elements at "
                       f"{bits} bits (blocks of {block})")
+        negative = int((absmax < 0).sum())  # (a block's maximum magnitude: NaN and inf load, as a full state's do)
+        if negative:
+            _fail(f"{where}[{name + ABSMAX!r}] holds {negative} negative block maxima of {blocks} (each is a block's "
+                  f"largest magnitude, at least 0): the checkpoint is corrupt")
         entry[name] = QuantizedState(codes, absmax.float(),
                                      format_for(bits, signed=name not in cls.unsigned_states, codebook=quantization))
     return entry
