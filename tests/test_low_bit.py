@@ -537,6 +537,32 @@ def test_changing_state_bits_before_any_state_repacks_and_after_is_refused():
         dml_optim.AdamW(model.parameters(), state_bits=16)
 
 
+@pytest.mark.parametrize("new_bits", [4, None])
+def test_the_state_dict_the_refusal_asks_for_loads_into_the_new_options(new_bits):
+    """The refusal above says: build a new optimizer with the new options and load this one's state dict.  That
+    state dict names the bits its states are stored in (8), not the group's changed option, so it loads (it
+    once said ``state_bits=4`` beside 8-bit codes and every optimizer refused it; found by a review)."""
+    model = _model()
+    opt = _build("adamw", model, 8)
+    _train(model, opt, _batches(2))
+    before = opt.state_dict()
+    opt.param_groups[0]["state_bits"] = new_bits
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["state_bits"] == 8 == before["param_groups"][0]["state_bits"]
+    target = copy.deepcopy(model)
+    fresh = dml_optim.AdamW(target.parameters(), state_bits=new_bits)
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["state_bits"] == new_bits
+    decoded = opt.state  # (the live view decodes: the values the codes hold)
+    for p, q in zip(model.parameters(), target.parameters()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            if new_bits is None:  # full precision: exactly the saved values
+                assert torch.equal(fresh.state[q][name], decoded[p][name])
+            else:
+                assert fresh.state[q][name].shape == decoded[p][name].shape
+    _train(target, fresh, _batches(1, seed=5))
+
+
 def test_dml_descriptors_refuse_quantized_state():
     model = _model()
     opt = dml_optim.DmlAdam(model.parameters(), state_bits=8)

@@ -146,6 +146,9 @@ def save(opt) -> dict[str, Any]:
                     state[index + pi] = entry
         packed = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
                   for k, v in group.items() if k != "params"}
+        stored = {flat.bits for flat in opt._buffers_of(gi) if flat.bits is not None}
+        if len(stored) == 1:  # the bits the states are stored in: the group's option may have changed since
+            packed["state_bits"] = stored.pop()  # (a step refuses that, and asks for this state dict to be loaded)
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(packed)
