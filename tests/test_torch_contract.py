@@ -838,3 +838,53 @@ def test_a_bad_value_given_by_torchs_name_is_named_by_it(build, words):
     with pytest.raises(ValueError) as info:
         build([torch.nn.Parameter(torch.zeros(2))])
     assert all(w in str(info.value) for w in words), info.value
+
+
+_PARAM_LIST_CHANGES = {
+    "append": lambda ps, new: ps.append(new),
+    "extend": lambda ps, new: ps.extend([new]),
+    "insert": lambda ps, new: ps.insert(0, new),
+    "pop": lambda ps, new: ps.pop(),
+    "replace": lambda ps, new: ps.__setitem__(0, torch.nn.Parameter(ps[0].detach().clone())),
+    "del": lambda ps, new: ps.__delitem__(-1),
+    "+=": lambda ps, new: ps.__iadd__([new]),
+}
+
+
+@pytest.mark.parametrize("how", sorted(_PARAM_LIST_CHANGES))
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+def test_a_params_list_changed_in_place_is_refused_not_ignored(how, backend):
+    """torch.optim reads ``param_groups[i]['params']`` at every step; ours packed it once, so a parameter appended
+    to it was never trained and a removed one kept stepping (found by a review).  Now the next step, ``zero_grad``
+    and ``state_dict`` refuse, naming what changed, and nothing is written."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = dml_optim.AdamW(model.parameters(), lr=1e-2, backend=backend)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    extra = torch.nn.Parameter(torch.randn(4))
+    extra.grad = torch.ones(4)
+    before = [p.detach().clone() for p in model.parameters()]
+    saved = opt.state_dict()
+    _PARAM_LIST_CHANGES[how](opt.param_groups[0]["params"], extra)
+    for call in (opt.step, opt.zero_grad, opt.state_dict):
+        with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\] was changed after it was packed"):
+            call()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert torch.equal(extra, extra.detach())  # (untouched)
+
+
+def test_params_lists_that_did_not_really_change_are_taken_and_copies_start_unchanged():
+    model = torch.nn.Linear(4, 2)
+    opt = dml_optim.AdamW(model.parameters(), lr=1e-2)
+    group = opt.param_groups[0]
+    group["params"][0] = group["params"][0]  # the same parameter at the same place
+    group["params"] = list(group["params"])  # an equal plain list
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert type(group["params"]).__name__ == "ParamList" and not group["params"].changed
+    twin = copy.deepcopy(opt)  # (a copy is built whole, not appended to)
+    assert not twin.param_groups[0]["params"].changed
+    twin.step()
+    opt.param_groups.append({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 1.0})
+    with pytest.raises(RuntimeError, match="add groups with add_param_group"):
+        opt.step()

@@ -229,7 +229,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         for i, p in enumerate(params):
             self._check_param(p, i, gi)
         params = self._deduplicated(group, params, gi)
-        group["params"] = params
+        self._keep_params(group, params)
         where = f"param_groups[{gi}]"
         # torch names given in the dict win over our defaults; given under both names they must agree
         for alias in cls.spec.torch.aliases:
@@ -318,6 +318,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
     @hook_step  # (torch.optim's step hooks and profiler range, without torch's costlier context manager)
     def step(self, closure: Callable[[], Any] | None = None):
         """Perform one optimization step; ``closure`` re-evaluates the loss."""
+        self._check_params()
         if closure is None and self._steady is not None and not _is_compiling():
             # the repeat of a steady step (engine._repeat) under the grad mode torch.no_grad() sets: set here
             # directly, since the decorator costs about 3 us a call (a third of the repeat's own host work);
@@ -363,6 +364,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         ``found_inf`` is given (already known), it is used as is.
         """
         self._check_capture()
+        self._check_params()
         requests = self._requests(False)
         work = [(r.group, r.flat) for r in requests]
         if not work:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any, Callable
 
@@ -19,11 +20,73 @@ import torch
 
 from dml_optim.core.flat import describe_param
 
-__all__ = ["ContractMixin"]
+__all__ = ["ContractMixin", "ParamList"]
+
+
+class ParamList(list):
+    """A param group's ``params``: a list that notes its own changes in place (``append``, ``pop``, ``params[i] =
+    p``, ...).  torch.optim reads the list at every step; the flat buffers were packed from it once, so a change
+    would be ignored: :meth:`ContractMixin._check_params` refuses the next step instead."""
+
+    __slots__ = ("changed",)
+
+    def __init__(self, items=()):
+        super().__init__(items)
+        self.changed = False
+
+    def __reduce_ex__(self, protocol):  # (a copy is built whole, not appended to: it starts unchanged)
+        return ParamList, (list(self),)
+
+
+def _noting(name: str):
+    method = getattr(list, name)
+
+    def change(self, *args, **kwargs):
+        self.changed = True
+        return method(self, *args, **kwargs)
+
+    change.__name__ = change.__qualname__ = name
+    return change
+
+
+for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__",
+              "__iadd__", "__imul__"):
+    setattr(ParamList, _name, _noting(_name))
 
 
 class ContractMixin:
     """torch.optim's contract beyond ``step`` (see the module docstring)."""
+
+    def _keep_params(self, group: dict[str, Any], params: list) -> None:
+        """Set ``group["params"]`` to a :class:`ParamList` of ``params`` and remember them (add_param_group)."""
+        group["params"] = ParamList(params)
+        self.__dict__.setdefault("_params_seen", []).append(tuple(params))
+
+    def _check_params(self) -> None:
+        """Refuse a step, or a state dict, after ``param_groups`` or a group's ``params`` changed other than by
+        ``add_param_group`` (O(1) a group when nothing did: the lists note their changes); a list changed
+        back to the same parameters in the same order, or replaced by an equal one, is taken as it is."""
+        groups, seen = self.param_groups, self.__dict__.get("_params_seen", ())
+        if len(groups) != len(seen):
+            raise RuntimeError(f"dml_optim: param_groups has {len(groups)} groups, {len(seen)} were added by "
+                               "add_param_group(); add groups with add_param_group(), which packs their parameters")
+        for gi, (group, known) in enumerate(zip(groups, seen)):
+            params = group.get("params")
+            if type(params) is ParamList and not params.changed:
+                continue
+            if not isinstance(params, (list, tuple)):
+                change = f"it is a {type(params).__name__} now"
+            elif len(params) != len(known):
+                change = f"it held {len(known)} parameters when packed, {len(params)} now"
+            else:
+                same = list(map(operator.is_, params, known))
+                change = None if all(same) else f"['params'][{same.index(False)}] is another tensor now"
+            if change is not None:
+                raise RuntimeError(
+                    f"dml_optim: param_groups[{gi}]['params'] was changed after it was packed ({change}): its flat "
+                    "buffers hold the parameters it was packed with. Add parameters with add_param_group(), or build "
+                    "a new optimizer over the new parameters and load_state_dict() the state of those that stay")
+            group["params"] = ParamList(params)
 
     def _named(self, group: dict[str, Any], params: list, gi: int) -> list:
         """Split ``(name, tensor)`` pairs (``model.named_parameters()``) into ``params`` and

@@ -407,6 +407,7 @@ class LayoutMixin:
 
     def _follow(self) -> None:
         """Re-pack groups whose parameters were moved, cast or unfrozen (``zero_grad``, ``state_dict``, loads)."""
+        self._check_params()
         for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):
             repack = unfrozen(group, layout, self.checks)
             moved = [(flat, flat.rebound()) for flat in layout.buffers if flat.moved(self.checks)]
