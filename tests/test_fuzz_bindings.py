@@ -98,6 +98,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 from test_fused import _without_repeat
+from tolerances import assert_close
 
 import dml_optim
 from dml_optim.backends.fused import LIST_MIN_ELEMENTS
@@ -520,3 +521,88 @@ def test_a_rebinding_is_seen_while_the_caller_holds_the_old_tensors(between):
     _held_iteration(sets, opts, between)
     for i, (p, q) in enumerate(zip(*sets)):
         assert torch.equal(p.detach(), q.detach()), f"{between.__name__}: param {i}: {_diff(p.detach(), q.detach())}"
+
+
+# -- a gradient the caller keeps after its parameter's was released ------------------------------------------
+
+# Found by a review: ``kept = p.grad`` (our view of the flat gradient buffer), then ``p.grad = None`` (any of
+# the ways below) and another backward: torch.optim leaves ``kept`` as it was (autograd makes a fresh tensor),
+# ours copied the new gradient into ``kept``'s slot (the post-accumulate-grad hook, or the step's gather) and
+# handed ``kept`` back as ``p.grad``.  The buffer now gives its storage up to the tensors that hold it
+# (copy-on-write, FlatBuffer.release_held).  References are torch.optim.AdamW twins with ``foreach=False``.
+
+_RELEASES = {
+    "opt_zero_grad": lambda model, opt: opt.zero_grad(set_to_none=True),
+    "model_zero_grad": lambda model, opt: model.zero_grad(),
+    "grad_none": lambda model, opt: [setattr(p, "grad", None) for p in model.parameters()],
+}
+_KEPT_BACKENDS = ["eager", "auto", "compiled"]
+
+
+def _kept_twins(backend):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    return [(model, dml_optim.AdamW(model.parameters(), lr=1e-2, backend=backend)),
+            (twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=False))]
+
+
+def _kept_loss(model, i):
+    g = torch.Generator().manual_seed(500 + i)
+    x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _assert_kept(kept, before, model, what):
+    for k, (g, b, p) in enumerate(zip(kept, before, model.parameters())):
+        assert torch.equal(g, b), f"{what}: kept gradient {k} was written into: {_diff(g, b)}"
+        assert g is not p.grad, f"{what}: kept gradient {k} was handed back as p.grad"
+
+
+def _assert_twins(pairs, what):
+    (ours, _), (theirs, _) = pairs
+    for k, (p, q) in enumerate(zip(ours.parameters(), theirs.parameters())):
+        try:
+            assert_close(p.detach(), q.detach())
+        except AssertionError as e:
+            raise AssertionError(f"{what}: parameter {k}: {e}") from None
+
+
+@pytest.mark.parametrize("release", sorted(_RELEASES))
+@pytest.mark.parametrize("backend", _KEPT_BACKENDS)
+def test_a_kept_gradient_is_never_written_into_after_its_parameter_released_it(backend, release):
+    pairs = _kept_twins(backend)
+    for i in range(4):
+        for model, opt in pairs:
+            opt.zero_grad(set_to_none=False)  # (ours: every p.grad its view of the flat gradient buffer)
+            _kept_loss(model, i).backward()
+            kept = [p.grad for p in model.parameters()]  # (no clone: a logger, a similarity metric)
+            before = [g.clone() for g in kept]
+            _RELEASES[release](model, opt)
+            _kept_loss(model, 100 + i).backward()
+            _assert_kept(kept, before, model, f"{backend}, {release}, iteration {i}")
+            opt.step()
+            _assert_kept(kept, before, model, f"{backend}, {release}, iteration {i}, after the step")
+        _assert_twins(pairs, f"{backend}, {release}, iteration {i}")
+
+
+@pytest.mark.parametrize("backend", _KEPT_BACKENDS)
+def test_pcgrad_style_kept_task_gradients_equal_torch(backend):
+    """Gradient surgery: task A's gradients kept as ``p.grad`` tensors across ``zero_grad(set_to_none=True)``
+    and task B's backward, then combined into new ``.grad`` tensors (B's projected off A where they conflict)."""
+    pairs = _kept_twins(backend)
+    for i in range(5):
+        for model, opt in pairs:
+            opt.zero_grad(set_to_none=True)
+            _kept_loss(model, i).backward()
+            task_a = [p.grad for p in model.parameters()]
+            before = [g.clone() for g in task_a]
+            opt.zero_grad(set_to_none=True)
+            _kept_loss(model, 50 + i).backward()
+            task_b = [p.grad for p in model.parameters()]
+            _assert_kept(task_a, before, model, f"{backend}, step {i}")
+            for p, a, b in zip(model.parameters(), task_a, task_b):
+                dot = (a * b).sum()
+                p.grad = a + b - torch.clamp(dot, max=0.0) / (a * a).sum().clamp(min=1e-12) * a
+            opt.step()
+        _assert_twins(pairs, f"{backend}, step {i}")

@@ -212,6 +212,7 @@ def copies_in(flat, grads: list, active: list[bool] | None) -> bool:
 
 def copy_in(flat, grads: list) -> None:
     """Copy the present ``grads`` into their slots of the flat gradient buffer (one foreach op)."""
+    flat.release_held()  # (a view of it kept elsewhere: copied into a new one)
     flat.ensure_grad()
     views = _cache(flat).grad_views(flat)
     index = _present(grads, None)

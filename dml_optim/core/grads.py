@@ -114,6 +114,8 @@ class GradientsMixin:
         if (g.shape != self.shapes[i] or g.dtype != self.dtype or g.device != self.device or g.layout != torch.strided
                 or not g.is_contiguous() or p.data_ptr() != self.ptrs[i]):
             return False
+        if self.grad is not None and _held(self.grad_refs[i], g):
+            self.release_grad()  # (the old gradient is the caller's: adopted into a new buffer, not into it)
         grad = self.ensure_grad()  # (zeros: slots of parameters without a gradient are zeroed again at the step)
         if _storage(g) == _storage(grad):
             return False
@@ -122,6 +124,34 @@ class GradientsMixin:
             grad[lo:hi].copy_(g.view(-1))
         p.grad = self.grad_view(i)
         return True
+
+    def release_grad(self) -> None:
+        """Give up the flat gradient buffer (copy-on-write): its storage stays with the tensors outside the
+        optimizer that hold views of it, a new one is allocated at its next write, and the gradients still
+        in the old one are foreign from now on (gathered at the step, as any other)."""
+        self.grad = None
+        self.grad_refs = [None] * len(self.params)
+        self.uses = None  # (the next step diagnoses, and caches holding the old buffer see another one)
+        self._storages = ()
+
+    def release_held(self, indices: Sequence[int] | None = None) -> bool:
+        """Before writing into the flat gradient buffer: give it up (:meth:`release_grad`) when a view of it
+        handed out (``indices``: of those parameters; None: of all) is alive while its parameter's ``.grad``
+        is another tensor or None (a gradient the caller kept, ``kept = p.grad`` then ``p.grad = None``: as
+        in torch.optim, nothing may write into it again).  True when it did."""
+        refs = self.grad_refs
+        if self.grad is None or not any(filter(None, refs)):  # (no view handed out: no Python pass)
+            return False
+        params, alive = self.params, False
+        for i in range(len(refs)) if indices is None else indices:
+            view = refs[i]() if refs[i] is not None else None
+            if view is not None and view is not params[i].grad:
+                self.release_grad()
+                return True
+            alive = alive or view is not None
+        if indices is None and not alive:  # (every view died with its gradient: the next check needs no pass)
+            self.grad_refs = [None] * len(refs)
+        return False
 
     def grad_view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s view of the flat gradient buffer: the one ``p.grad`` holds, or a new one."""
@@ -150,6 +180,8 @@ class GradientsMixin:
     def gather_grads(self, foreign: Sequence[int]) -> None:
         """Copy the gradients of parameters ``foreign`` into the flat buffer and re-point ``p.grad``
         (staged buffers copy the local shards and leave ``p.grad`` alone)."""
+        if self.release_held(foreign):  # (the others hold their views, in the buffer given up: gathered too)
+            foreign = [i for i, p in enumerate(self.params) if p.grad is not None]
         self.ensure_grad()
         with torch.no_grad():
             home = _storage(self.grad)
@@ -178,6 +210,7 @@ class GradientsMixin:
         if self.staged or self.align != 1:
             return False
         grads = [local_tensor(p.grad).reshape(-1) if a else None for p, a in zip(self.params, active)]
+        self.release_held()
         home = _storage(self.ensure_grad(filled=False))  # (a new buffer: every element is written below or by
         # the caller's gather and zeroing when this returns False)
         if any(g is not None and _storage(g) == home for g in grads):
@@ -234,6 +267,8 @@ class GradientsMixin:
 
     def attach_grads(self) -> None:
         """Point every ``p.grad`` at its view of the flat gradient buffer (staged: no-op)."""
+        if not self.staged:
+            self.release_held()  # (a view kept elsewhere is not handed back, nor written through)
         self.ensure_grad()
         if not self.staged:
             for i, p in enumerate(self.params):
@@ -262,6 +297,7 @@ class GradientsMixin:
                 if g is not None:
                     g.zero_()
             return
+        self.release_held()  # (a gradient kept after its parameter's was released: torch leaves it as it is)
         if self.grad is None:
             if all(g is None for g in grads):
                 return
@@ -286,6 +322,12 @@ def _adopt(ref: weakref.ref, p) -> None:
     flat = ref()
     if flat is not None and flat.adopt:
         flat.adopt_grad(p)
+
+
+def _held(ref: weakref.ref | None, g) -> bool:
+    """The view ``ref`` refers to is alive, and is not ``g`` (its parameter's ``.grad``): held elsewhere."""
+    view = ref() if ref is not None else None
+    return view is not None and view is not g
 
 
 def _remove_hooks(handles) -> None:

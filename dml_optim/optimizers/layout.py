@@ -313,6 +313,8 @@ class LayoutMixin:
             if binding.rebound:
                 flat.adopt_params(binding.rebound)
             active, foreign = binding.active, binding.foreign
+            if not flat.staged and flat.release_held():  # (before a re-pack, gather or zeroing writes into a
+                foreign = [i for i, g in enumerate(binding.grads) if g is not None]  # gradient kept elsewhere)
         elif flat.absent:  # (bindings unchanged: the parameters without a gradient are the ones recorded)
             absent = set(map(id, flat.absent))
             active = [id(p) not in absent for p in flat.params]
