@@ -274,7 +274,7 @@ class GradientsMixin:
             for i, p in enumerate(self.params):
                 p.grad = self.grad_view(i)
 
-    def zero_grad(self, set_to_none: bool) -> None:
+    def zero_grad(self, set_to_none: bool, mode: str = "full") -> None:
         """Zero the gradients in one op, or set them to ``None`` with none.
 
         Where the parameters without a gradient (frozen after the optimizer was
@@ -297,7 +297,13 @@ class GradientsMixin:
                 if g is not None:
                     g.zero_()
             return
-        self.release_held()  # (a gradient kept after its parameter's was released: torch leaves it as it is)
+        ours = None  # (bound as the last step left them, by the step's own check under ``mode``: every one its view)
+        if self.grad is None or self.uses is None or not self.check(mode):
+            # per parameter: its .grad is its view, still pointing there (a ``.grad.data = t`` re-points the view
+            # itself: ``model.to()`` and ``.half()`` do); only the others can leave a view held elsewhere
+            ours = self._grads_ours()
+            if not all(ours) and self.release_held([i for i, o in enumerate(ours) if not o]):
+                ours = [False] * len(ours)  # (a gradient kept after its parameter's was released: torch leaves it)
         if self.grad is None:
             if all(g is None for g in grads):
                 return
@@ -309,10 +315,8 @@ class GradientsMixin:
                 self.grad[a:b].zero_()  # buffer zeroes them first, the optimizer's _bind)
         else:
             self.grad.zero_()
-        # a None gradient stays None, as in torch.optim; any other that is not its view, still pointing there (a
-        # ``.grad.data = t`` re-points the view itself: ``model.to()`` and ``.half()`` do), gets its zeroed view
-        for i, (p, g, ours) in enumerate(zip(self.params, grads, self._grads_ours())):
-            if g is not None and not ours:
+        for i, (p, g, o) in enumerate(zip(self.params, grads, ours or ())):  # a None gradient stays None, as
+            if g is not None and not o:  # in torch.optim; any other not its view gets its zeroed view
                 p.grad = self.grad_view(i)
 
 

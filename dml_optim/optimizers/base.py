@@ -425,7 +425,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
             self._follow()  # re-pointing gradients at buffers the parameters left would be wrong
         for group, layout in zip(self.param_groups, self._layout):
             for flat in layout.buffers:
-                flat.zero_grad(set_to_none)
+                flat.zero_grad(set_to_none, self.checks)
             for i in layout.frozen:
                 p = group["params"][i]
                 if p.grad is not None:
