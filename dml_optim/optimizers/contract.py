@@ -60,16 +60,18 @@ class ContractMixin:
     def _keep_params(self, group: dict[str, Any], params: list) -> None:
         """Set ``group["params"]`` to a :class:`ParamList` of ``params`` and remember them (add_param_group)."""
         group["params"] = ParamList(params)
-        self.__dict__.setdefault("_params_seen", []).append(tuple(params))
+        seen = self.__dict__.setdefault("_params_seen", [])
+        del seen[len(self.param_groups):]  # (a group whose adding failed after this left its entry: replaced)
+        seen.append(tuple(params))
 
     def _check_params(self) -> None:
         """Refuse a step, or a state dict, after ``param_groups`` or a group's ``params`` changed other than by
         ``add_param_group`` (O(1) a group when nothing did: the lists note their changes); a list changed
         back to the same parameters in the same order, or replaced by an equal one, is taken as it is."""
         groups, seen = self.param_groups, self.__dict__.get("_params_seen", ())
-        if len(groups) != len(seen):
-            raise RuntimeError(f"dml_optim: param_groups has {len(groups)} groups, {len(seen)} were added by "
-                               "add_param_group(); add groups with add_param_group(), which packs their parameters")
+        if len(groups) != len(self._layout):
+            raise RuntimeError(f"dml_optim: param_groups has {len(groups)} groups, {len(self._layout)} were added "
+                               "by add_param_group(); add groups with add_param_group(), which packs their parameters")
         for gi, (group, known) in enumerate(zip(groups, seen)):
             params = group.get("params")
             if type(params) is ParamList and not params.changed:
