@@ -297,8 +297,9 @@ class GradientsMixin:
                 if g is not None:
                     g.zero_()
             return
-        ours = None  # (bound as the last step left them, by the step's own check under ``mode``: every one its view)
-        if self.grad is None or self.uses is None or not self.check(mode):
+        ours = None  # (bound as the last step left them, by the step's full check: every one its view; the other
+        # modes' blind spots (a gradient replaced while its view is kept) are healed here, as they always were)
+        if self.grad is None or self.uses is None or mode != "full" or not self.check(mode):
             # per parameter: its .grad is its view, still pointing there (a ``.grad.data = t`` re-points the view
             # itself: ``model.to()`` and ``.half()`` do); only the others can leave a view held elsewhere
             ours = self._grads_ours()
