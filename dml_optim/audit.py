@@ -510,8 +510,8 @@ def audit_call(optimizer: torch.optim.Optimizer, fn: Callable[[], Any]) -> Audit
     _refuse_compiled(optimizer)
     if hasattr(optimizer, "_scratch_for_eager"):  # (a fused buffer runs the eager chain here: with its scratch)
         optimizer._scratch_for_eager()
-    held = _held_tensors(optimizer)
-    known = {_storage_ptr(t) for t in held if t.numel() > 0}
+    # (storages only: a gradient held here at the step would read as held by the caller, and stay theirs)
+    known = {_storage_ptr(t) for t in _held_tensors(optimizer) if t.numel() > 0}
     counters_before = _cpu_step_counters(optimizer)
     recorder = _Recorder(known)
     with recorder:

@@ -606,3 +606,68 @@ def test_pcgrad_style_kept_task_gradients_equal_torch(backend):
                 p.grad = a + b - torch.clamp(dot, max=0.0) / (a * a).sum().clamp(min=1e-12) * a
             opt.step()
         _assert_twins(pairs, f"{backend}, step {i}")
+
+
+# Gradient tensors the caller allocates once and keeps (``p.grad = buf``), zeroing them through its own
+# references: torch.optim's ``p.grad`` stays ``buf``, so backward accumulates into it and the caller's zeroing
+# reaches it.  Ours once adopted ``buf`` (copied it into the flat buffer and pointed ``p.grad`` at a view), so
+# the caller's zeroing no longer reached ``p.grad`` and the gradients summed over the steps (off by 1e-2 at the
+# second step).  A gradient the caller holds too now stays theirs, copied in at each step
+# (dml_optim.core.grads.held_elsewhere).
+
+_ZEROINGS = {
+    "foreach_zero_own_refs": lambda model, opt, bufs: torch._foreach_zero_(bufs),
+    "own_refs_one_by_one": lambda model, opt, bufs: [b.zero_() for b in bufs],
+    "opt_zero_grad": lambda model, opt, bufs: opt.zero_grad(set_to_none=False),
+    "model_zero_grad": lambda model, opt, bufs: model.zero_grad(set_to_none=False),
+}
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no_clip", "clip"])
+@pytest.mark.parametrize("zeroing", sorted(_ZEROINGS))
+@pytest.mark.parametrize("backend", _KEPT_BACKENDS)
+def test_gradients_the_caller_allocated_and_keeps_stay_theirs_and_equal_torch(backend, zeroing, clip):
+    """With ``clip``, each side's clip between backward and step (ours: ``dml_optim.clip_grad_norm_``, which
+    scales the flat buffer, and the caller's tensors with it)."""
+    pairs = _kept_twins(backend)
+    held = []
+    for model, _ in pairs:
+        bufs = [torch.zeros_like(p) for p in model.parameters()]
+        for p, b in zip(model.parameters(), bufs):
+            p.grad = b
+        held.append(bufs)
+    for i in range(4):
+        for (model, opt), bufs in zip(pairs, held):
+            _ZEROINGS[zeroing](model, opt, bufs)
+            _kept_loss(model, i).backward()
+            if clip and isinstance(opt, torch.optim.AdamW):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            elif clip:
+                dml_optim.clip_grad_norm_(opt, 0.05)
+            opt.step()
+            for k, (p, b) in enumerate(zip(model.parameters(), bufs)):
+                assert p.grad is b, f"{backend}, {zeroing}, step {i}: parameter {k}'s .grad is no longer the caller's"
+        (ours, _), (theirs, _) = pairs
+        for k, (p, q) in enumerate(zip(ours.parameters(), theirs.parameters())):
+            try:  # (one step's gradient, not a sum over the steps)
+                assert_close(p.grad, q.grad)
+            except AssertionError as e:
+                raise AssertionError(f"{backend}, {zeroing}, step {i}: gradient {k}: {e}") from None
+        _assert_twins(pairs, f"{backend}, {zeroing}, step {i}")
+
+
+@pytest.mark.parametrize("backend", _KEPT_BACKENDS)
+def test_unscaling_reaches_gradients_the_caller_holds(backend):
+    """``unscale_`` (what ``DynamicLossScaler.unscale_`` calls) multiplies the gradients where ``p.grad`` is: the
+    caller's own tensors too, which stay ``p.grad``."""
+    (model, opt), _ = _kept_twins(backend)
+    bufs = [torch.zeros_like(p) for p in model.parameters()]
+    for p, b in zip(model.parameters(), bufs):
+        p.grad = b
+    _kept_loss(model, 0).backward()
+    expected = [b.clone() * 0.25 for b in bufs]
+    found_inf = opt.unscale_(torch.tensor(0.25))
+    assert float(found_inf) == 0.0
+    for k, (p, b, e) in enumerate(zip(model.parameters(), bufs, expected)):
+        assert p.grad is b, f"{backend}: parameter {k}'s .grad is no longer the caller's"
+        assert torch.equal(b, e), f"{backend}: gradient {k} was not unscaled where the caller holds it: {_diff(b, e)}"

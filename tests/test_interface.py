@@ -164,6 +164,7 @@ def _eager_events(opt, ps, step):
             p.grad = g
         else:
             p.grad.copy_(g)
+    del g  # (a gradient the caller still holds at the step stays the caller's, copied in: not this loop's case)
     opt.step()
 
 

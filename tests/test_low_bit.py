@@ -682,9 +682,11 @@ def test_train_reaches_full_precision_accuracy_and_the_readme_says_so():
                       r"([\d.]+)% with `--state-bits 4`", readme)
     assert found, "the README no longer quotes the low-bit accuracies"
     fp32, bits8, bits4 = (float(v) for v in found.groups())
-    # FP32 runs torch's fused kernel: the same every run.  A quantized buffer of the toy MLP is below the size
-    # from which ``auto`` compiles at once, so it tiers (eager, then compiled once its eager steps have taken a
-    # compile's time): where it switches depends on the machine's speed and load, and the low-bit accuracies
-    # moved by up to 0.5 points between runs on the 2-core VM (8-bit 89.7-90.2, 4-bit 89.6-89.8).
-    assert fp32 == round(100 * acc[None], 1), (fp32, acc)
+    # FP32 runs torch's fused kernel: the same every run on one machine, but torch's CPU kernels round by the
+    # vector width they run with (the README's 90.2 on an AVX2 VM, 90.0 on an AVX-512 one, same code).  A
+    # quantized buffer of the toy MLP is below the size from which ``auto`` compiles at once, so it tiers
+    # (eager, then compiled once its eager steps have taken a compile's time): where it switches depends on
+    # the machine's speed and load, and the low-bit accuracies moved by up to 0.5 points between runs on the
+    # 2-core VM (8-bit 89.7-90.2, 4-bit 89.6-89.8).
+    assert abs(fp32 - 100 * acc[None]) <= 0.6, (fp32, acc)
     assert abs(bits8 - 100 * acc[8]) <= 0.6 and abs(bits4 - 100 * acc[4]) <= 0.6, (bits8, bits4, acc)

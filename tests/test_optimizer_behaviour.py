@@ -168,8 +168,8 @@ def test_changing_none_patterns_follow_the_reference_per_parameter(case, path, m
             grads = [case.randn(s, gen) if a else None for s, a in zip(shapes, active)]
             state = copy.deepcopy(opt.state_dict()["state"])
             before = [p.detach().clone() for p in params]
-            for p, g in zip(params, grads):
-                p.grad = g
+            for p, g in zip(params, grads):  # (the first ones held by nothing else: copies, `grads` kept here)
+                p.grad = g.clone() if k == 0 and path != "in-place" and g is not None else g
             opt.step()
             if case.backend == "fused":  # the fresh gradients were read where they are, or copied into the flat
                 present = [(p, g) for p, g in zip(params, grads) if g is not None]  # buffer: p.grad stays the caller's
@@ -315,13 +315,15 @@ def test_user_replaced_grad_is_gathered():
         gp, gq = torch.randn(3, 4, generator=g, dtype=F64), torch.randn(6, generator=g, dtype=F64)
         given = gp.clone(), gq.clone()
         p.grad, q.grad = given  # foreign tensors, not views of the flat buffer
+        if step == 0:
+            del given  # (nothing but the parameters holds the first ones)
         ref_p.grad, ref_q.grad = gp.clone(), gq.clone()
         ours.step()
         ref.step()
         lo, hi = _flat_range(ours, "grad")
         if step == 0:  # the first gradients are gathered and adopted: p.grad becomes its view of the flat buffer
             assert lo <= p.grad.data_ptr() < hi and lo <= q.grad.data_ptr() < hi
-        else:  # fresh tensors again: copied into the flat buffer, p.grad stays the caller's (as torch.optim's)
+        else:  # fresh tensors the caller holds: copied into the flat buffer, p.grad stays the caller's (torch's)
             assert p.grad is given[0] and q.grad is given[1]
         assert torch.equal(p.grad, gp) and torch.equal(q.grad, gq)
         assert_close(p.detach(), ref_p.detach())

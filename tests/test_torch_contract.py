@@ -888,3 +888,54 @@ def test_params_lists_that_did_not_really_change_are_taken_and_copies_start_unch
     opt.param_groups.append({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 1.0})
     with pytest.raises(RuntimeError, match="add groups with add_param_group"):
         opt.step()
+
+
+# torch.optim keeps a setting given as a tensor in the group (``lr=torch.tensor(1e-2)``, ``betas`` of two
+# tensors), so that writing into that tensor (``lr.fill_(x)``: the caller's schedule, or a scheduler's on a
+# tensor lr) takes effect at the next step.  Ours validates settings into numbers; it once did not see such a
+# write and kept stepping with the first value (off by 9e-2 after two steps).
+
+_TENSOR_SETTINGS = {
+    "lr_in_constructor": (lambda ps, t: dict(params=ps, lr=t[0]), lambda t, i: t[0].fill_(0.05 * (i + 1))),
+    "lr_in_a_group": (lambda ps, t: dict(params=[{"params": ps, "lr": t[0]}], lr=1e-3),
+                      lambda t, i: t[0].fill_(0.05 * (i + 1))),
+    "lr_and_betas": (lambda ps, t: dict(params=ps, lr=t[0], betas=(t[1], t[2])),
+                     lambda t, i: (t[0].mul_(0.5), t[1].fill_(0.8 - 0.1 * i))),
+}
+
+
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+@pytest.mark.parametrize("how", sorted(_TENSOR_SETTINGS))
+def test_a_setting_given_as_a_tensor_and_written_in_place_is_followed_like_torch(how, backend):
+    build, write = _TENSOR_SETTINGS[how]
+    torch.manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    tensors = [[torch.tensor(0.1), torch.tensor(0.9), torch.tensor(0.999)] for _ in range(2)]
+    ours = dml_optim.AdamW(**build(ours_p, tensors[0]), weight_decay=0.1, backend=backend)
+    ref = torch.optim.AdamW(**build(ref_p, tensors[1]), weight_decay=0.1, foreach=False)
+    for i in range(4):
+        for ps, opt in ((ours_p, ours), (ref_p, ref)):
+            for k, p in enumerate(ps):
+                p.grad = torch.full_like(p, 0.1 * (i + 1) * (k + 1)).sin_()
+            opt.step()
+        for p, q in zip(ours_p, ref_p):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        # (the group reads back the number the step validated from the tensor, torch's the tensor itself)
+        assert float(ours.param_groups[-1]["lr"]) == pytest.approx(float(tensors[0][0]))
+        write(tensors[0], i)
+        write(tensors[1], i)
+
+
+def test_a_tensor_lr_replaced_by_a_number_is_no_longer_followed():
+    """Assigning ``group["lr"]`` (a scheduler with a number) ends the watch: a later write into the old tensor
+    changes nothing, as in torch.optim, whose group no longer holds it."""
+    p = torch.nn.Parameter(torch.ones(4))
+    lr = torch.tensor(0.1)
+    opt = dml_optim.SGD([p], lr=lr)
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.5
+    lr.fill_(100.0)
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.full((4,), 1.0 - 0.1 - 0.5))

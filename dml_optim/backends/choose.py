@@ -49,6 +49,7 @@ from dml_optim.backends import eager as _eager
 from dml_optim.backends import fused as _fused
 from dml_optim.backends.base import Decision, EagerPlan, Plan, StepRequest, runtime
 from dml_optim.backends.modes import counting_kernels, dispatch_mode_active, eager_only_now, is_compiling
+from dml_optim.core.grads import held_elsewhere
 from dml_optim.core.options import BACKENDS
 
 __all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED", "AUTO_COMPILE_MIN_ELEMENTS_MASKED",
@@ -253,7 +254,8 @@ def plan_step(request: StepRequest, last: Plan | None = None) -> Plan:
             return plan
     if request.grads is not None and not request.copied:  # (a count the fused kernel cannot take: gathered)
         foreign = [i for i, g in enumerate(request.grads) if g is not None and not flat.holds_grad(i, g)]
-        flat.gather_grads(foreign)
+        held = held_elsewhere(request.grads)  # (the request's list the only one: a gradient held too stays theirs)
+        flat.gather_grads(foreign, frozenset(i for i in foreign if held[i]))
         request = request._replace(grads=None)
     return _rule_plan(request, decision, last)
 

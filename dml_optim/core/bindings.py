@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from dml_optim.core.grads import _FAST_ATTRIBUTES, _GRAD, _IS_NONE, _storage
+from dml_optim.core.grads import _FAST_ATTRIBUTES, _GRAD, _IS_NONE, _storage, held_elsewhere
 
 __all__ = ["Binding", "BindingsMixin"]
 
@@ -42,12 +42,15 @@ class Binding:
     buffer (replaced, fresh after ``set_to_none``, a DDP bucket view).
     ``rebound``: parameters whose ``.data`` no longer lives in the buffer.
     ``grads``: each parameter's ``.grad`` as the diagnosis read it.
+    ``held``: parameters whose gradient code outside the optimizer holds too
+    (:func:`~dml_optim.core.grads.held_elsewhere`): read where it is, never replaced by a view.
     """
 
     active: list[bool] | None
     foreign: list[int]
     rebound: list[int]
     grads: list
+    held: frozenset[int] = frozenset()
 
 
 
@@ -168,6 +171,7 @@ class BindingsMixin:
     def diagnose(self) -> Binding:
         """Per-parameter look at what changed (only called when :meth:`check` is False)."""
         grads = list(map(_GRAD, self.params))
+        held = frozenset(i for i, h in enumerate(held_elsewhere(grads)) if h)  # (`grads` the only list of them)
         active = [g is not None for g in grads]
         if self.staged:
             return Binding(None if all(active) else active, [i for i, g in enumerate(grads) if g is not None], [], grads)
@@ -177,7 +181,7 @@ class BindingsMixin:
         views = [ref() if ref is not None else None for ref in self.grad_refs]  # (identity first: no storage
         foreign = [i for i, (g, view) in enumerate(zip(grads, views))  # is looked up for a gradient not ours)
                    if g is not None and (g is not view or _storage(g) != home)]
-        return Binding(None if all(active) else active, foreign, rebound, grads)
+        return Binding(None if all(active) else active, foreign, rebound, grads, held)
 
     def rebind_pointers(self) -> None:
         """Record the parameters' current data pointers as the bound ones (after a copy re-pointed them)."""

@@ -104,7 +104,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
                  "grad_refs", "uses", "data_uses", "absent", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
-                 "_owner", "hooks", "_where", "adopt", "rounding", "__weakref__")
+                 "_owner", "hooks", "_where", "adopt", "rounding", "kept", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
                  bits: int | None = None):
@@ -140,6 +140,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
         self._where: dict[int, int] | None = None
         self.adopt = False
         self.rounding = None
+        self.kept: tuple[int, ...] = ()  # gathered gradients the caller holds, left as p.grad (write_back)
         # (gradients the parameters already have stay where they are: the first step reads or gathers them)
 
     # -- copying and pickling ----------------------------------------------------------
@@ -150,7 +151,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
     #: ``adopt`` and ``rounding`` again).
     _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "_storages": (), "hooks": None,
                   "_where": None, "adopt": False,
-                  "rounding": None}
+                  "rounding": None, "kept": ()}
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT

@@ -21,6 +21,7 @@ optimizer).
 from __future__ import annotations
 
 import operator
+import sys
 import warnings
 import weakref
 from itertools import repeat
@@ -31,7 +32,7 @@ import torch
 
 from dml_optim.core.packing import local_tensor
 
-__all__ = ["GradientsMixin", "ZERO_RUNS", "HOOKS_AVAILABLE"]
+__all__ = ["GradientsMixin", "ZERO_RUNS", "HOOKS_AVAILABLE", "held_elsewhere"]
 
 _GRAD = operator.attrgetter("grad")
 #: Reading ``.grad``/``data_ptr()`` of many ``nn.Parameter``s is twice as fast without the
@@ -46,6 +47,41 @@ ZERO_RUNS = 4
 #: gradient buffer as autograd produces them.  Without it they are gathered at the step (both copies at the peak).
 HOOKS_AVAILABLE = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 _WARNED_NO_HOOKS = []
+
+
+def _python_refs(grads: list) -> list[int]:
+    """The Python reference count of each entry of ``grads``, as this comprehension sees it."""
+    return [sys.getrefcount(g) for g in grads]
+
+
+def _refs(g) -> int:
+    """The Python reference count of ``g``, as a caller holding it in one local variable sees it."""
+    return sys.getrefcount(g)
+
+
+def _alone() -> tuple[int, int]:
+    """What :func:`_python_refs` and :func:`_refs` read for a gradient that nothing but its parameter (and the
+    list, or the local variable) holds: found on a probe, once, so that the interpreter's and torch's own
+    references (a tensor C++ still holds keeps one on its Python object in some torch versions) count the
+    same for the probe and for a real gradient."""
+    probe = torch.zeros(1, requires_grad=True)
+    probe.grad = torch.zeros(1)
+    listed = _python_refs([probe.grad])[0]
+    g = probe.grad
+    return listed, _refs(g)
+
+
+_ALONE, _ALONE_LOCAL = _alone()
+
+
+def held_elsewhere(grads: list) -> list[bool]:
+    """Per entry of ``grads`` (each parameter's ``.grad``, or None): whether code outside the optimizer holds
+    the gradient tensor too (``bufs = [torch.zeros_like(p) ...]``, ``p.grad = b``, then zeroing ``bufs``
+    itself), so that its parameter's ``.grad`` must stay that tensor, as in torch.optim: it is read (copied
+    into the flat buffer) at every step and never replaced by a view.  ``grads`` must be the only list of them
+    the optimizer holds (the hook's test of one gradient in a local variable: ``_refs(g) > _ALONE_LOCAL``).
+    A tensor listed twice (two parameters sharing one gradient) counts as held."""
+    return [g is not None and n > _ALONE for g, n in zip(grads, _python_refs(grads))]
 
 
 class GradientsMixin:
@@ -103,14 +139,14 @@ class GradientsMixin:
         """Move ``p``'s fresh gradient into its slot of the flat gradient buffer and point ``p.grad`` at the
         slot's view (the hook's work): True when it did.  Left alone (False): no gradient, one already in its
         view, or one the step must look at itself (a tensor subclass, a view of another tensor (a DDP bucket),
-        one with a graph (``create_graph=True``), another shape, dtype or device, sparse, non-contiguous, or a
-        parameter re-bound away from the buffer)."""
+        one with a graph (``create_graph=True``), one the caller holds too (:func:`held_elsewhere`), another shape,
+        dtype or device, sparse, non-contiguous, or a parameter re-bound away from the buffer)."""
         g = p.grad
         if g is None or type(g) is not torch.Tensor or g.requires_grad or g._base is not None:
             return False
         i = self.position(p)
-        if i is None or (self.grad is not None and self.holds_grad(i, g)):
-            return False
+        if i is None or (self.grad is not None and self.holds_grad(i, g)) or _refs(g) > _ALONE_LOCAL:
+            return False  # (a gradient the caller holds too stays theirs: the step copies it in)
         if (g.shape != self.shapes[i] or g.dtype != self.dtype or g.device != self.device or g.layout != torch.strided
                 or not g.is_contiguous() or p.data_ptr() != self.ptrs[i]):
             return False
@@ -177,9 +213,10 @@ class GradientsMixin:
         return [g is not None and ref is not None and ref() is g and g.data_ptr() == base + a * size
                 for g, ref, a in zip(map(_GRAD, self.params), self.grad_refs, self.offsets)]
 
-    def gather_grads(self, foreign: Sequence[int]) -> None:
-        """Copy the gradients of parameters ``foreign`` into the flat buffer and re-point ``p.grad``
-        (staged buffers copy the local shards and leave ``p.grad`` alone)."""
+    def gather_grads(self, foreign: Sequence[int], keep: frozenset[int] = frozenset()) -> None:
+        """Copy the gradients of parameters ``foreign`` into the flat buffer and re-point ``p.grad``, except
+        the parameters in ``keep`` (gradients the caller holds too: :func:`held_elsewhere`) and those of staged
+        buffers (the local shards are copied, ``p.grad`` left alone)."""
         if self.release_held(foreign):  # (the others hold their views, in the buffer given up: gathered too)
             foreign = [i for i, p in enumerate(self.params) if p.grad is not None]
         self.ensure_grad()
@@ -201,12 +238,15 @@ class GradientsMixin:
                     torch.cat(grads, out=self.grad[a:b])
             if not self.staged:
                 for i in foreign:
-                    self.params[i].grad = self.grad_view(i)
+                    if i not in keep:
+                        self.params[i].grad = self.grad_view(i)
+                self.kept = tuple(i for i in foreign if i in keep)
 
-    def gather_all(self, active: Sequence[bool]) -> bool:
+    def gather_all(self, active: Sequence[bool], keep: frozenset[int] = frozenset()) -> bool:
         """Gather every gradient and zero the slots of the parameters without one, in one ``cat``, when
         each parameter with a gradient has a foreign one (fresh tensors, as after torch's
-        ``zero_grad(set_to_none=True)``) in an unpadded layout; False (nothing done) otherwise."""
+        ``zero_grad(set_to_none=True)``) in an unpadded layout; False (nothing done) otherwise.  ``p.grad``
+        becomes its view, except for the parameters in ``keep`` (:meth:`gather_grads`)."""
         if self.staged or self.align != 1:
             return False
         grads = [local_tensor(p.grad).reshape(-1) if a else None for p, a in zip(self.params, active)]
@@ -219,9 +259,21 @@ class GradientsMixin:
         with torch.no_grad():
             torch.cat([g if g is not None else zero.expand(n) for g, n in zip(grads, self.sizes)], out=self.grad)
         for i, a in enumerate(active):
-            if a:
+            if a and i not in keep:
                 self.params[i].grad = self.grad_view(i)
+        self.kept = tuple(i for i, a in enumerate(active) if a and i in keep)
         return True
+
+    def write_back(self) -> None:
+        """After a write into the flat gradient buffer (a clip, an unscale): copy the slots of the gradients
+        the caller holds (:attr:`kept` by the last gather as their parameters' ``.grad``) back into them, so the
+        write reaches the tensors ``p.grad`` is, as in torch.optim."""
+        for i in self.kept:
+            g = self.params[i].grad
+            if g is not None and not self.holds_grad(i, g):
+                lo, hi = self.span(i)
+                with torch.no_grad():
+                    g.copy_(self.grad[lo:hi].view(g.shape))
 
     def check_run_grad(self, i: int, g: torch.Tensor) -> torch.Tensor:
         """``g`` (its local tensor) when it is a dense gradient of parameter ``i``'s shape, dtype and device; else
@@ -282,7 +334,8 @@ class GradientsMixin:
         are zeroed, one op each, up to :data:`ZERO_RUNS` of them.
 
         Like torch.optim, a gradient that is ``None`` stays ``None``; a foreign
-        gradient tensor is re-pointed at its zeroed view of the flat buffer.
+        gradient tensor is re-pointed at its zeroed view of the flat buffer, or zeroed where it is when the
+        caller holds it too (:func:`held_elsewhere`).
         ``set_to_none`` leaves the buffer as it is: a step, clipping or unscaling
         reads it only after gathering the new gradients and zeroing the slots of
         the parameters left without one (the optimizer's ``_bind``).
@@ -316,8 +369,14 @@ class GradientsMixin:
                 self.grad[a:b].zero_()  # buffer zeroes them first, the optimizer's _bind)
         else:
             self.grad.zero_()
-        for i, (p, g, o) in enumerate(zip(self.params, grads, ours or ())):  # a None gradient stays None, as
-            if g is not None and not o:  # in torch.optim; any other not its view gets its zeroed view
+        held = held_elsewhere(grads) if ours is not None and not all(ours) else ()  # (`grads` the only list)
+        for i, (p, g, o, h) in enumerate(zip(self.params, grads, ours or (), held)):  # a None gradient stays
+            if g is None or o:  # None, as in torch.optim; any other not its view gets its zeroed view, or is
+                continue  # zeroed where it is when the caller holds it too (torch's way)
+            if h:
+                with torch.no_grad():
+                    (g.detach_() if g.grad_fn is not None else g.requires_grad_(False)).zero_()
+            else:
                 p.grad = self.grad_view(i)
 
 

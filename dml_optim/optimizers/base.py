@@ -6,17 +6,14 @@ and its math as class-level functions of plain data (``constants``,
 ``coefficients``, ``rule``); :mod:`dml_optim.core.update` strings them together.
 This class does the rest:
 
-* **layout** (:mod:`~dml_optim.optimizers.layout`): each param group's
-  trainable parameters are packed into one :class:`~dml_optim.core.flat.FlatBuffer`
-  per (device, dtype); frozen parameters (``requires_grad=False``) are not
-  packed and cost nothing until they are unfrozen, when the next step takes
-  them in;
-* **following the parameters**: a step (and ``zero_grad``, ``state_dict``)
-  first checks the bindings (:meth:`FlatBuffer.check`); parameters moved or
-  cast (``model.to()``, ``.half()``, ``accelerator.prepare``) are re-packed
-  on their new device and dtype with their state carried over (cast as
-  ``load_state_dict`` casts); a changed shape is refused, naming the
-  parameter;
+* **layout** (:mod:`~dml_optim.optimizers.layout`): each param group's trainable parameters are packed
+  into one :class:`~dml_optim.core.flat.FlatBuffer` per (device, dtype); frozen parameters
+  (``requires_grad=False``) are not packed and cost nothing until they are unfrozen, when the next step
+  takes them in;
+* **following the parameters**: a step (and ``zero_grad``, ``state_dict``) first checks the bindings
+  (:meth:`FlatBuffer.check`); parameters moved or cast (``model.to()``, ``.half()``,
+  ``accelerator.prepare``) are re-packed on their new device and dtype with their state carried over
+  (cast as ``load_state_dict`` casts); a changed shape is refused, naming the parameter;
 * **plan, then commit** (:mod:`~dml_optim.optimizers.engine`): every check,
   conversion and coefficient is done before the first write, so a step that
   raises leaves parameters and states untouched; ``atomic=True`` also rolls
@@ -50,6 +47,7 @@ from dml_optim.optimizers.engine import EngineMixin
 from dml_optim.optimizers.hooks import hook_step
 from dml_optim.optimizers.introspect import BufferInfo, buffer_infos
 from dml_optim.optimizers.layout import GroupLayout, LayoutMixin
+from dml_optim.optimizers.settings import tensors_given, watch
 from dml_optim.optimizers.spec import REQUIRED, OptimizerSpec, agree, sync_group
 from dml_optim.core.options import (
     CHECK_MODES,
@@ -163,6 +161,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         flags = cls.spec.torch.implementation_flags()
         flags.update(torch_flags or {})
         defaults = {**self._resolve_torch_names(hyperparameters, torch_names), **flags, **group_options}
+        self._given = tensors_given(defaults)  # (tensor settings, before validation writes numbers: watched)
         cls.spec.check(defaults)
         cls.spec.torch.check_implementation_flags(defaults)
         sync_group(cls.spec, defaults, None, "defaults")
@@ -244,13 +243,14 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
                 raise ValueError(f"{where}: hyperparameter {name!r} is required")
             if name not in derived:  # a torch name is derived from ours when the dict gives ours
                 group.setdefault(name, value)
+        given = {**{k: v for k, v in self._given.items() if k not in param_group}, **tensors_given(group)}
         synced = sync_group(cls.spec, group, None, where)
         self._check_group(group, gi)
         super().add_param_group(group)
         group = self.param_groups[-1]
         trainable = [i for i, p in enumerate(params) if p.requires_grad]
         frozen = [i for i, p in enumerate(params) if not p.requires_grad]
-        self._layout.append(GroupLayout(self._pack(group, trainable), frozen, synced))
+        self._layout.append(GroupLayout(self._pack(group, trainable), frozen, synced, watched=watch(group, given)))
         self._steady = None
 
     def _check_param(self, p, index: int, group_index: int) -> None:

@@ -102,6 +102,7 @@ class EngineMixin:
         """Unscale the gradients of ``work`` (``(group, buffer)`` pairs); 0-d bool: all of them are finite."""
         for _, flat in work:
             flat.grad.mul_(inv_scale.to(flat.device))
+            flat.write_back()  # (gradients the caller holds: unscaled where they are too)
         return self._all_finite([flat for _, flat in work])
 
     # -- plan and commit ------------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class EngineMixin:
         planned, runtimes, kept = [], [], []
         n, k = len(steady), 0
         for gi, (group, layout) in enumerate(zip(self.param_groups, self._layout)):
-            if not unchanged(group, layout.checked):
+            if not unchanged(group, layout.checked, layout.watched):
                 structure = layout.structure
                 try:
                     candidate, synced = self._settings(gi, group, changed=True)

@@ -1,23 +1,21 @@
 """How a flat optimizer's parameters map to flat buffers, and stay mapped.
 
-:class:`LayoutMixin` (a part of :class:`~dml_optim.optimizers.base.FlatOptimizer`)
-owns the layout of each param group (:class:`GroupLayout`): which parameters
-are packed into which :class:`~dml_optim.core.flat.FlatBuffer` (the trainable
-ones, one buffer per device and dtype) and which are frozen and left out.
+:class:`LayoutMixin` (a part of :class:`~dml_optim.optimizers.base.FlatOptimizer`) owns the layout of
+each param group (:class:`GroupLayout`): which parameters are packed into which
+:class:`~dml_optim.core.flat.FlatBuffer` (the trainable ones, one buffer per device and dtype) and which
+are frozen and left out.
 
 Every step starts here (:meth:`LayoutMixin._prepare`), in two phases:
 
-1. **plan** (:meth:`LayoutMixin._plan`, nothing is written): the group's
-   settings are synced with torch's names and validated (skipped while they
-   are unchanged since the last step); each buffer's bindings are checked
-   (:meth:`FlatBuffer.check`) and, only if something changed, diagnosed per
-   parameter: foreign gradients are checked, re-bound parameters are
-   classified (adopted in place; followed to a new device or dtype by a
-   re-pack; a changed shape refused, naming the parameter);
-2. **bind** (:meth:`LayoutMixin._bind`): re-packs and adoptions happen,
-   parameters that step together are made contiguous, foreign gradients are
-   gathered (one ``cat`` per contiguous run) and the slots of ``None``
-   gradients zeroed.
+1. **plan** (:meth:`LayoutMixin._plan`, nothing is written): the group's settings are synced with
+   torch's names and validated (skipped while they are unchanged since the last step, a tensor setting
+   not written into included); each buffer's bindings are checked (:meth:`FlatBuffer.check`) and, only if
+   something changed, diagnosed per parameter: foreign gradients are checked, re-bound parameters are
+   classified (adopted in place; followed to a new device or dtype by a re-pack; a changed shape
+   refused, naming the parameter);
+2. **bind** (:meth:`LayoutMixin._bind`): re-packs and adoptions happen, parameters that step together
+   are made contiguous, foreign gradients are gathered (one ``cat`` per contiguous run; a gradient the
+   caller holds too stays its parameter's ``.grad``) and the slots of ``None`` gradients zeroed.
 
 :meth:`LayoutMixin._follow` does the layout part alone for ``zero_grad``,
 ``state_dict`` and ``load_state_dict``, so those follow moved parameters too.
@@ -44,7 +42,7 @@ from dml_optim.core.functional import check_like
 from dml_optim.core.grads import _runs
 from dml_optim.core.quant import BLOCK, MIN_ELEMENTS
 from dml_optim.optimizers.rounders import check_rounding, rounder
-from dml_optim.optimizers.settings import changed_scalars, items, structure_of, unchanged
+from dml_optim.optimizers.settings import changed_scalars, items, moved, structure_of, tensors_given, unchanged, watch
 from dml_optim.optimizers.spec import sync_group
 from dml_optim.optimizers.states import ensure_state
 
@@ -71,6 +69,7 @@ class GroupLayout:
     checked: tuple | None = None  # the group's items when last validated: unchanged means valid (the settings token)
     structure: Any = None  # the structure token (dml_optim.optimizers.settings): a new object when the structure changed
     shape: tuple | None = None  # the structural settings it stands for (settings.structure_of)
+    watched: tuple = ()  # the settings given as tensors, written into the group as numbers (settings.watch)
 
 
 # (the names other modules read here)
@@ -127,9 +126,8 @@ class LayoutMixin:
         return buffers
 
     def _hook(self, group: dict[str, Any], flat: FlatBuffer, fused: bool | None = None) -> None:
-        """Let the buffer's gradient hooks move fresh gradients into the flat gradient buffer as autograd
-        produces them (:meth:`FlatBuffer.hook_grads`), unless it runs torch's fused kernel (``fused``: known
-        already), which reads them where they are, or a step inside backward takes them."""
+        """Let the buffer's hooks move fresh gradients into the flat gradient buffer (:meth:`FlatBuffer.hook_grads`),
+        unless torch's fused kernel (``fused``: known already) reads them in place or a step inside backward does."""
         if fused is None:
             try:
                 fused = decide(self, group, flat).why_not_fused is None  # (not fuses(): it would warn now)
@@ -139,7 +137,6 @@ class LayoutMixin:
         flat.hook_grads()
         stochastic = group.get("rounding") == "stochastic" and flat.dtype in LOW_PRECISION_DTYPES
         flat.rounding = rounder(self, flat.device) if stochastic else None
-
 
     def _bits_changed(self, group: dict[str, Any], layout: GroupLayout) -> bool:
         """``state_bits`` changed before any state exists: the buffers must be packed again."""
@@ -186,8 +183,10 @@ class LayoutMixin:
         or ``(None, synced)`` when nothing changed since they were last validated (``changed``: the caller
         found them changed already).  Writes nothing."""
         layout = self._layout[gi]
-        if not changed and unchanged(group, layout.checked):
+        if not changed and unchanged(group, layout.checked, layout.watched):
             return None, layout.synced
+        if layout.watched:  # (a tensor setting written into in place, ``lr.fill_(x)``: its new value validated)
+            group = {**group, **moved(group, layout.watched)}
         scalars = changed_scalars(type(self), group, layout.checked)
         if scalars is not None:  # (a scheduler's lr: those values alone validated, the structure unchanged)
             candidate = dict(group)  # (a C-level copy, then the parameters out)
@@ -214,7 +213,9 @@ class LayoutMixin:
         group, layout = self.param_groups[gi], self._layout[gi]
         # (the snapshot itself: only scalars changed, validated alone by _settings)
         scalars_only = layout.structure is not None and synced is layout.synced
+        sources = tensors_given(group, layout.watched, type(self)) if layout.watched or not scalars_only else {}
         group.update(candidate)
+        layout.watched = watch(group, sources) if sources else ()
         layout.synced = synced
         layout.checked = items(group)
         if scalars_only:  # (the structure token stays: decisions, kernel keys and argument lists are kept)
@@ -309,6 +310,7 @@ class LayoutMixin:
         its own), and whether those were copied into the flat buffer.
         """
         active = foreign = None
+        held = binding.held if binding is not None else frozenset()  # (gradients the caller holds too stay theirs)
         if binding is not None:
             if binding.rebound:
                 flat.adopt_params(binding.rebound)
@@ -350,10 +352,10 @@ class LayoutMixin:
                     and copies_in(flat, grads, active)):
                 copy_in(flat, grads)  # (fresh tensors, as after set_to_none: copied, p.grad stays the caller's)
                 return active, grads, True
-        if active is not None and foreign and len(foreign) == sum(active) and flat.gather_all(active):
+        if active is not None and foreign and len(foreign) == sum(active) and flat.gather_all(active, held):
             return active, None, False  # (one op: every gradient gathered, every None slot zeroed)
         if foreign:
-            flat.gather_grads(foreign)
+            flat.gather_grads(foreign, held)
         # slots of None gradients may hold an old gradient (inf included): clipping, masked updates and the
         # nonfinite checks read them; torch's fused kernel of a plain step reads the runs with a gradient only
         if active is not None and not plain:

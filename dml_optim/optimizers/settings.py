@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["items", "unchanged", "structure_of", "changed_scalars"]
+__all__ = ["items", "unchanged", "structure_of", "changed_scalars", "tensors_given", "moved", "watch"]
 
 _MISSING = object()
 _FREE: dict[type, tuple[frozenset, frozenset, dict]] = {}
+_KEYS: dict[type, tuple[str, ...]] = {}
+_PLAIN = frozenset({float, int, bool, str, type(None)})  # (setting types that are no tensor, at a glance)
 
 
 def items(group: dict) -> tuple:
@@ -32,7 +34,52 @@ def items(group: dict) -> tuple:
     return dict(group), list(map(type, group.values()))
 
 
-def unchanged(group: dict, checked: tuple | None) -> bool:
+def _versions(value) -> tuple | None:
+    """The version counters of a setting given as a tensor, or as a tuple of tensors (``betas``); None for
+    any other value."""
+    if isinstance(value, torch.Tensor):
+        return (value._version,)
+    if isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(v._version for v in value)
+    return None
+
+
+def tensors_given(group: dict, watched: tuple = (), cls=None) -> dict[str, Any]:
+    """The settings of ``group`` given as tensors (``lr=torch.tensor(1e-3)``, ``betas`` of two tensors), before
+    validation writes them into the group as numbers, and those ``watched`` before whose key still holds the
+    number written from them: ``{key: tensor}`` (:func:`watch`).  ``cls``: look only at the keys a tensor
+    setting of that optimizer class can have (its float hyperparameters and their torch names), not at all."""
+    sources = {k: src for k, src, _, written in watched if group.get(k) is written}
+    for k in group.keys() if cls is None else _tensor_keys(cls):
+        v = group.get(k)
+        if type(v) not in _PLAIN and k != "params" and _versions(v) is not None:
+            sources[k] = v
+    return sources
+
+
+def _tensor_keys(cls) -> tuple[str, ...]:
+    """The keys of a group of ``cls`` that may hold a setting given as a tensor (cached per class)."""
+    keys = _KEYS.get(cls)
+    if keys is None:
+        keys = _KEYS[cls] = tuple(sorted(_free(cls)[0] | {a.torch for a in cls.spec.torch.aliases}))
+    return keys
+
+
+def watch(group: dict, sources: dict[str, Any]) -> tuple:
+    """What to watch after ``group`` was validated and written: each tensor setting of ``sources``
+    (:func:`tensors_given`, read before the write) as ``(key, tensor, versions, number written)``.  torch.optim
+    keeps such a tensor in the group, so that ``lr.fill_(x)`` (the caller's, or a scheduler's on a tensor
+    ``lr``) takes effect at the next step: :func:`moved` finds it."""
+    return tuple((k, src, _versions(src), group.get(k)) for k, src in sources.items())
+
+
+def moved(group: dict, watched: tuple) -> dict[str, Any]:
+    """The watched tensor settings written into in place since they were validated, whose key still holds the
+    number written from them: ``{key: tensor}``, to validate again (:func:`watch`)."""
+    return {k: src for k, src, versions, written in watched if group.get(k) is written and _versions(src) != versions}
+
+
+def unchanged(group: dict, checked: tuple | None, watched: tuple = ()) -> bool:
     """``group``'s settings are the ones recorded as ``checked`` (:func:`items`): the same keys with equal
     values of the same types.
 
@@ -40,8 +87,9 @@ def unchanged(group: dict, checked: tuple | None) -> bool:
     and types cost 1.1): dict ``==`` tries ``is`` before ``__eq__``, so the unchanged ``params`` list (whose
     contents are the layout's business) and unchanged values cost a pointer comparison each; then the
     types.  The same settings in another key order may read as changed (validated again, harmlessly).
+    ``watched``: the tensor settings (:func:`watch`); one written into in place is a change.
     """
-    if checked is None:
+    if checked is None or (watched and moved(group, watched)):
         return False
     try:
         return group == checked[0] and list(map(type, group.values())) == checked[1]

@@ -85,5 +85,6 @@ def clip_grad_norm_(optimizer, max_norm: float, norm_type: float = 2.0, error_if
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for flat in flats:
         flat.grad.mul_(coef.to(flat.device, flat.grad.dtype))
+        flat.write_back()  # (gradients the caller holds: clipped where they are too)
     return total
 
