@@ -243,7 +243,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
                 raise ValueError(f"{where}: hyperparameter {name!r} is required")
             if name not in derived:  # a torch name is derived from ours when the dict gives ours
                 group.setdefault(name, value)
-        given = {**{k: v for k, v in self._given.items() if k not in param_group}, **tensors_given(group)}
+        given = {**{k: v for k, v in getattr(self, "_given", {}).items() if k not in param_group}, **tensors_given(group)}
         synced = sync_group(cls.spec, group, None, where)
         self._check_group(group, gi)
         super().add_param_group(group)
