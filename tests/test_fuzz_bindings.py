@@ -671,3 +671,27 @@ def test_unscaling_reaches_gradients_the_caller_holds(backend):
     for k, (p, b, e) in enumerate(zip(model.parameters(), bufs, expected)):
         assert p.grad is b, f"{backend}: parameter {k}'s .grad is no longer the caller's"
         assert torch.equal(b, e), f"{backend}: gradient {k} was not unscaled where the caller holds it: {_diff(b, e)}"
+
+
+def test_a_gradient_reads_as_held_exactly_when_the_caller_keeps_a_reference():
+    """The reference-count test itself, on the running torch (its Python-object bookkeeping decides the
+    count): a fresh gradient of backward, one assigned and let go, and one whose reader let it go read as not
+    held; one kept in a variable or a list, or shared by two parameters of the list, reads as held."""
+    from dml_optim.core.grads import held_elsewhere
+
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    (p * 2).sum().backward()
+    assert held_elsewhere([p.grad]) == [False], "a fresh gradient of backward"
+    read = p.grad
+    del read
+    assert held_elsewhere([p.grad]) == [False], "a gradient read once and let go"
+    p.grad = torch.zeros(3)
+    assert held_elsewhere([p.grad, None]) == [False, False], "an assigned temporary"
+    kept = p.grad
+    assert held_elsewhere([p.grad]) == [True], "kept in a variable"
+    del kept
+    logged = [p.grad]
+    assert held_elsewhere([p.grad]) == [True], "kept in a list"
+    del logged
+    q.grad = p.grad  # (two parameters of one buffer sharing a gradient: its list names it twice)
+    assert held_elsewhere([p.grad, q.grad]) == [True, True], "two parameters' gradient, listed twice"
