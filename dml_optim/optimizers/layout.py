@@ -213,7 +213,7 @@ class LayoutMixin:
         group, layout = self.param_groups[gi], self._layout[gi]
         # (the snapshot itself: only scalars changed, validated alone by _settings)
         scalars_only = layout.structure is not None and synced is layout.synced
-        sources = tensors_given(group, layout.watched, type(self)) if layout.watched or not scalars_only else {}
+        sources = tensors_given(group, layout.watched) if layout.watched or not scalars_only else {}
         group.update(candidate)
         layout.watched = watch(group, sources) if sources else ()
         layout.synced = synced

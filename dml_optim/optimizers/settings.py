@@ -24,7 +24,6 @@ __all__ = ["items", "unchanged", "structure_of", "changed_scalars", "tensors_giv
 
 _MISSING = object()
 _FREE: dict[type, tuple[frozenset, frozenset, dict]] = {}
-_KEYS: dict[type, tuple[str, ...]] = {}
 _PLAIN = frozenset({float, int, bool, str, type(None)})  # (setting types that are no tensor, at a glance)
 
 
@@ -44,25 +43,15 @@ def _versions(value) -> tuple | None:
     return None
 
 
-def tensors_given(group: dict, watched: tuple = (), cls=None) -> dict[str, Any]:
+def tensors_given(group: dict, watched: tuple = ()) -> dict[str, Any]:
     """The settings of ``group`` given as tensors (``lr=torch.tensor(1e-3)``, ``betas`` of two tensors), before
     validation writes them into the group as numbers, and those ``watched`` before whose key still holds the
-    number written from them: ``{key: tensor}`` (:func:`watch`).  ``cls``: look only at the keys a tensor
-    setting of that optimizer class can have (its float hyperparameters and their torch names), not at all."""
+    number written from them: ``{key: tensor}`` (:func:`watch`)."""
     sources = {k: src for k, src, _, written in watched if group.get(k) is written}
-    for k in group.keys() if cls is None else _tensor_keys(cls):
-        v = group.get(k)
+    for k, v in group.items():
         if type(v) not in _PLAIN and k != "params" and _versions(v) is not None:
             sources[k] = v
     return sources
-
-
-def _tensor_keys(cls) -> tuple[str, ...]:
-    """The keys of a group of ``cls`` that may hold a setting given as a tensor (cached per class)."""
-    keys = _KEYS.get(cls)
-    if keys is None:
-        keys = _KEYS[cls] = tuple(sorted(_free(cls)[0] | {a.torch for a in cls.spec.torch.aliases}))
-    return keys
 
 
 def watch(group: dict, sources: dict[str, Any]) -> tuple:
