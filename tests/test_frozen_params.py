@@ -957,3 +957,20 @@ def test_auto_compiles_the_masked_update_of_a_large_buffer(monkeypatch):
     assert any("masked" in name for name in compiled.cache_info()["compiled"])
     for a, b in zip(runs["auto"], runs["eager"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_zero_grad_zeroes_a_frozen_parameters_view_gradient_in_place_like_torch():
+    """A frozen parameter's gradient that is a view (a slice of a bucket the caller keeps, as DDP's
+    ``gradient_as_bucket_view``) cannot be detached in place: torch.optim's ``zero_grad(set_to_none=False)``
+    zeroes it (no longer requiring grad), and so does ours, instead of raising.  (``checks="fast"`` leaves a
+    parameter frozen at construction out even with a gradient: the unpacked parameters' own zeroing.)"""
+    results = []
+    for make in (lambda ps: dml_optim.AdamW(ps, lr=1e-2, checks="fast"), lambda ps: torch.optim.AdamW(ps, lr=1e-2)):
+        trained, frozen = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(4), requires_grad=False)
+        opt = make([trained, frozen])
+        bucket = torch.arange(1.0, 9.0)
+        frozen.grad = bucket[2:6]
+        opt.zero_grad(set_to_none=False)
+        assert frozen.grad._base is bucket
+        results.append(bucket.clone())
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0][2:6], torch.zeros(4))

@@ -32,7 +32,7 @@ import torch
 
 from dml_optim.core.packing import local_tensor
 
-__all__ = ["GradientsMixin", "ZERO_RUNS", "HOOKS_AVAILABLE", "held_elsewhere"]
+__all__ = ["GradientsMixin", "ZERO_RUNS", "HOOKS_AVAILABLE", "held_elsewhere", "zero_in_place"]
 
 _GRAD = operator.attrgetter("grad")
 #: Reading ``.grad``/``data_ptr()`` of many ``nn.Parameter``s is twice as fast without the
@@ -82,6 +82,17 @@ def held_elsewhere(grads: list) -> list[bool]:
     the optimizer holds (the hook's test of one gradient in a local variable: ``_refs(g) > _ALONE_LOCAL``).
     A tensor listed twice (two parameters sharing one gradient) counts as held."""
     return [g is not None and n > _ALONE for g, n in zip(grads, _python_refs(grads))]
+
+
+def zero_in_place(g: torch.Tensor) -> None:
+    """Zero gradient ``g`` where it is, as torch.optim's ``zero_grad(set_to_none=False)`` does: detached first
+    when it has a graph, else no longer requiring grad (a view, a DDP bucket's, cannot be detached in place)."""
+    with torch.no_grad():
+        if g.grad_fn is not None:
+            g.detach_()
+        else:
+            g.requires_grad_(False)
+        g.zero_()
 
 
 class GradientsMixin:
@@ -374,8 +385,7 @@ class GradientsMixin:
             if g is None or o:  # None, as in torch.optim; any other not its view gets its zeroed view, or is
                 continue  # zeroed where it is when the caller holds it too (torch's way)
             if h:
-                with torch.no_grad():
-                    (g.detach_() if g.grad_fn is not None else g.requires_grad_(False)).zero_()
+                zero_in_place(g)
             else:
                 p.grad = self.grad_view(i)
 

@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from dml_optim.backends.modes import is_compiling as _is_compiling
 from dml_optim.core.flat import describe_param
+from dml_optim.core.grads import zero_in_place
 from dml_optim.optimizers.contract import ContractMixin
 from dml_optim.optimizers.engine import EngineMixin
 from dml_optim.optimizers.hooks import hook_step
@@ -410,16 +411,13 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         """Zero every gradient with one op per flat buffer (a buffer most of whose parameters have no
         gradient, frozen after the optimizer was built: one per run of those with one, a few at most).
 
-        Unlike torch.optim (whose default is ``set_to_none=True``), the default
-        keeps each ``p.grad`` a view of the flat gradient buffer, so autograd
-        accumulates in place and nothing is allocated per step.  As in
-        torch.optim, a ``None`` gradient stays ``None``.  With
-        ``set_to_none=True`` gradients become ``None`` (and a parameter that
-        gets no gradient before the next step is not updated) and no op runs,
-        as in torch.optim; the next step reads the new gradients where they
-        are (torch's fused kernel, on the CPU) or gathers them into the flat
-        buffer (one copy each).
-        Frozen (unpacked) parameters' gradients are handled as torch.optim would.
+        Unlike torch.optim (whose default is ``set_to_none=True``), the default keeps each ``p.grad`` a view
+        of the flat gradient buffer, so autograd accumulates in place and nothing is allocated per step.  As in
+        torch.optim, a ``None`` gradient stays ``None``.  With ``set_to_none=True`` gradients become ``None``
+        (and a parameter that gets no gradient before the next step is not updated) and no op runs, as in
+        torch.optim; the next step reads the new gradients where they are (torch's fused kernel, on the CPU)
+        or gathers them into the flat buffer (one copy each).  Frozen (unpacked) parameters' gradients are
+        handled as torch.optim would.
         """
         if not set_to_none:
             self._follow()  # re-pointing gradients at buffers the parameters left would be wrong
@@ -432,7 +430,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
                     if set_to_none:
                         p.grad = None
                     else:
-                        p.grad.detach_().requires_grad_(False).zero_()
+                        zero_in_place(p.grad)
 
     # -- introspection ------------------------------------------------------------------------------------
 
