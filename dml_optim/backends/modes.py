@@ -7,17 +7,11 @@ op chain): :func:`eager_only_now`.
 
 from __future__ import annotations
 
-import torch
 from torch.utils import _python_dispatch
 
+from dml_optim.core.tracing import is_compiling
+
 __all__ = ["is_compiling", "dispatch_mode_active", "counting_kernels", "eager_only_now"]
-
-_IS_COMPILING = getattr(torch.compiler, "is_compiling", None) or getattr(torch._dynamo, "is_compiling", None)
-
-
-def is_compiling() -> bool:
-    """True while dynamo traces the caller (e.g. a user's compiled training step)."""
-    return bool(_IS_COMPILING and _IS_COMPILING())
 
 
 def dispatch_mode_active() -> bool:

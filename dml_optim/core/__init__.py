@@ -10,7 +10,8 @@
 * :mod:`~dml_optim.core.steps`: step counts, kept as classes of parameters that step together;
 * :mod:`~dml_optim.core.options`: constants and the runtime options every optimizer takes;
 * :mod:`~dml_optim.core.opcount`: the one hook that counts the ops a piece of code dispatches;
-* :mod:`~dml_optim.core.rounding`: stochastic rounding of float32 into float16/bfloat16.
+* :mod:`~dml_optim.core.rounding`: stochastic rounding of float32 into float16/bfloat16;
+* :mod:`~dml_optim.core.tracing`: whether dynamo traces the caller (the one test of it).
 
 Nothing here knows torch.optim, a backend or an optimizer class.
 

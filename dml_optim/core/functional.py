@@ -65,6 +65,8 @@ from typing import Sequence, Union
 
 import torch
 
+from dml_optim.core.tracing import is_compiling
+
 __all__ = [
     "Scalar",
     "adagrad",
@@ -312,9 +314,10 @@ def dml_adam_coefficients(learning_rate: Scalar, T: Scalar, *, beta1: float, bet
 
 
 def _axpy_(x: torch.Tensor, y: torch.Tensor, c: Scalar) -> torch.Tensor:
-    """``x += c * y`` (one op; ``c`` a number or a 0-d tensor)."""
+    """``x += c * y`` (one op; ``c`` a number or a 0-d tensor).  Traced (:mod:`dml_optim.core.tracing`), a tensor
+    ``c`` takes ``x + y * c``: ``addcmul``'s ``value`` of 1 would stay a vector multiply in the kernel."""
     if isinstance(c, torch.Tensor):
-        return x.addcmul_(y, c)
+        return x.add_(y * c) if is_compiling() else x.addcmul_(y, c)
     return x.add_(y, alpha=c)
 
 
@@ -335,6 +338,8 @@ def _scale_(x: torch.Tensor, c: Scalar) -> torch.Tensor:
 def _add_square_(h: torch.Tensor, g: torch.Tensor, c: Scalar, scratch: torch.Tensor | None) -> torch.Tensor:
     """``h += c * g * g``; with a tensor ``c`` the product goes through ``scratch``."""
     if isinstance(c, torch.Tensor):
+        if is_compiling():  # (as in _axpy_: the same value, no multiply by 1)
+            return h.add_(g * c * g)
         return h.addcmul_(torch.mul(g, c, out=scratch), g)
     return h.addcmul_(g, g, value=c)
 
@@ -342,6 +347,8 @@ def _add_square_(h: torch.Tensor, g: torch.Tensor, c: Scalar, scratch: torch.Ten
 def _add_ratio_(x: torch.Tensor, num: torch.Tensor, den: torch.Tensor, c: Scalar) -> torch.Tensor:
     """``x += c * num / den``; overwrites ``den`` when ``c`` is a tensor."""
     if isinstance(c, torch.Tensor):
+        if is_compiling():  # (as in _axpy_)
+            return x.add_(num / den * c)
         return x.addcmul_(torch.div(num, den, out=den), c)
     return x.addcdiv_(num, den, value=c)
 
