@@ -143,9 +143,18 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="candidates to run (default: all installed)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared 2-core machine two threads spin against other work)")
+    ap.add_argument("--codebook", default=None,
+                    help="the codebook dml_optim's low-bit states are made in (default: the active one, "
+                         "dml_optim.core.quant.ACTIVE_CODEBOOK; an earlier one to compare on the same batches)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from dml_optim.core import quant
+
+    if args.codebook is not None:
+        if args.codebook not in quant.CODEBOOKS:
+            ap.error(f"--codebook: unknown codebook {args.codebook!r} (known: {', '.join(quant.CODEBOOKS)})")
+        quant.ACTIVE_CODEBOOK = args.codebook
     data, used = corpus()
     split = int(data.numel() * 0.9)
     print(f"text: {len(used)} stdlib modules, {data.numel():,} bytes ({split:,} train, {data.numel() - split:,} held out)",
@@ -172,7 +181,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "text_modules": used, "bytes": data.numel(), "steps": args.steps,
               "batch": args.batch, "ctx": args.ctx, "seeds": args.seeds, "hyper": {k: list(v) if isinstance(v, tuple)
                                                                                     else v for k, v in HYPER.items()},
-              "backend": args.backend, "bars_pct": {"8-bit": 0.25, "4-bit": 0.75}, "rows": rows}
+              "backend": args.backend, "codebook": quant.ACTIVE_CODEBOOK, "bars_pct": {"8-bit": 0.25, "4-bit": 0.75}, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")

@@ -7,13 +7,16 @@ round-robin in one process (:func:`~dml_optim.benchmark.timing.round_robin`):
 * ``torch fused``: ``torch.optim.AdamW(fused=True)``, FP32 state (8 bytes per parameter);
 * ``dml_optim 8-bit`` / ``dml_optim 4-bit``: ``dml_optim.AdamW(state_bits=...)``, the backend
   ``auto`` picks (recorded), in the codebook new states use (``quant.ACTIVE_CODEBOOK``);
-* ``dml_optim 8-bit blockwise-1`` / ``blockwise-2``: the same with its states made in that codebook (the
-  first: dynamic exponent; the second: asinh and power codes), side by side in the same rounds;
+* ``dml_optim 8-bit blockwise-1`` / ``blockwise-2``: the same with its states made in that earlier codebook
+  (the first: dynamic exponent; the second: asinh and power codes, table gathers in the compiled kernel), side
+  by side in the same rounds with the third (``dml_optim 8-bit``: fourth-root codes);
 * ``bitsandbytes AdamW8bit``, ``torchao AdamW8bit``, ``torchao AdamW4bit``: where the package is
   installed (the ``peers`` extra: ``pip install ".[peers]"``), else the row says "not installed".
 
-Each row has ``ms_per_step``, ``ratio_to_fused`` (torch fused's time over the candidate's: above 1
-is faster) and ``state_bytes_per_param``: the optimizer state's bytes (codes, scales, and any
+Each row has ``ms_per_step`` (the median), ``ms_min``/``ms_max`` (the fastest and the slowest sample),
+``round_ms`` (each round's sample), ``ratio_to_fused`` (torch fused's time over the candidate's, round by
+round: :func:`~dml_optim.benchmark.timing.rows_ratio`; above 1 is faster) with ``ratio_spread`` (its
+quartiles over rounds) and ``state_bytes_per_param``: the optimizer state's bytes (codes, scales, and any
 full-precision state) per parameter, read from the optimizer's own tensors.
 """
 
@@ -26,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from dml_optim.benchmark.common import error_text
-from dml_optim.benchmark.timing import round_robin, wall_seconds
+from dml_optim.benchmark.timing import round_robin, rows_ratio, wall_seconds
 
 __all__ = ["CANDIDATES", "measure_lowbit", "NUMEL", "QUICK_NUMEL"]
 
@@ -116,7 +119,8 @@ def measure_lowbit(device: torch.device, dtype: torch.dtype, settings: dict, log
     opts = {}
     for name in CANDIDATES:
         row = {"candidate": name, "available": False, "reason": _unavailable(name, device), "ms_per_step": None,
-               "ratio_to_fused": None, "state_bytes_per_param": None, "first_step_ms": None, "backend": None}
+               "ratio_to_fused": None, "ratio_spread": None, "state_bytes_per_param": None, "first_step_ms": None,
+               "backend": None}
         rows[name] = row
         if row["reason"] is not None:
             log(f"  low-bit {name:24} n/a ({row['reason']})")
@@ -139,11 +143,13 @@ def measure_lowbit(device: torch.device, dtype: torch.dtype, settings: dict, log
     for name, opt in opts.items():
         row = rows[name]
         row.update(ms_per_step=timed[name]["seconds"] * 1e3, first_step_ms=first[name] * 1e3,
+                   ms_min=timed[name]["min_seconds"] * 1e3, ms_max=timed[name]["max_seconds"] * 1e3,
+                   round_ms=[s * 1e3 for s in timed[name]["round_seconds"]],
                    state_bytes_per_param=state_bytes(opt) / numel, samples=timed[name]["samples"])
-    fused = rows["torch fused"]["ms_per_step"]
+    fused = rows["torch fused"]
     for row in rows.values():
-        if row["ms_per_step"] is not None and fused is not None:
-            row["ratio_to_fused"] = fused / row["ms_per_step"]
+        if row["ms_per_step"] is not None and fused["ms_per_step"] is not None:
+            row["ratio_to_fused"], row["ratio_spread"] = rows_ratio(fused, row)
     for row in rows.values():
         if row["available"]:
             log(f"  low-bit {row['candidate']:24} {row['ms_per_step']:9.2f} ms  {row['state_bytes_per_param']:.3g} "

@@ -182,7 +182,7 @@ def lowbit_table(doc: dict[str, Any]) -> list[str]:
     for record in doc["lowbit"]:
         out += _table([f"AdamW, {record['workload']}", "ms per step", "vs torch fused", "state bytes per parameter",
                        "note"],
-                      [[r["candidate"], _f(r["ms_per_step"], ".2f"), _f(r["ratio_to_fused"], ".2f", "x"),
+                      [[r["candidate"], _f(r["ms_per_step"], ".2f"), ratio_cell(r["ratio_to_fused"], r.get("ratio_spread")),
                         _f(r["state_bytes_per_param"], ".3g"),
                         (f"backend {r['backend']}" if r.get("backend") else "") if r["available"] else r["reason"]]
                        for r in record["rows"]], 3, 1)
