@@ -150,7 +150,8 @@ def test_low_bit_findings_quote_their_memory_and_the_full_precision_twin():
     assert f"{m['fp32-8bit']['final_rel_error']:.3g}" in eight and f"{m['fp32']['final_rel_error']:.3g} for `fp32`" in eight
     four = next(f for f in rep.findings if f.startswith("`fp16-kahan-4bit` (recorded stream): states stored in 4 bits"))
     assert "1.06 bytes per parameter" in four and "for `fp16-kahan` (the same with FP32 states)" in four
-    assert "power code (levels (k/15)^2)" in four and "asinh-companded code" in four  # (codebook dml-optim-blockwise-2)
+    assert "power code (levels (k/15)^2)" in four and "asinh-companded code" in four  # (codebook dml-optim-blockwise-3)
+    assert "signed fourth-root code (levels (k/127)^4)" in eight and "fourth-root code (levels (k/255)^4)" in eight
     # the 8-bit state drifts less than the 4-bit one, and both more than FP32 arithmetic alone
     assert m["fp32"]["final_rel_error"] < m["fp32-8bit"]["final_rel_error"] < m["fp16-kahan-4bit"]["final_rel_error"]
 

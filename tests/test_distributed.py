@@ -292,7 +292,7 @@ if __name__ != "__main__":
                                                                                       "optimizer": cls.__name__}
         bits = OPTIMIZERS[name][1].get("state_bits")
         if bits:
-            assert saved["dml_optim"]["quantization"] == "dml-optim-blockwise-2"  # (the active codebook, dml_optim.core.quant.ACTIVE_CODEBOOK)
+            assert saved["dml_optim"]["quantization"] == "dml-optim-blockwise-3"  # (the active codebook, dml_optim.core.quant.ACTIVE_CODEBOOK)
         quantized = 0
         for entry in saved["state"].values():
             if "exp_avg_codes" in entry:

@@ -5,7 +5,7 @@ rule never sees it.  Before the rule runs a range is decoded into the compute
 dtype (as a float16 state is converted into float32), after it the result is
 encoded back (docs/design.md §5, "Low-bit state").
 
-Long by design: it holds two codebooks (the first still decodes the checkpoints saved with it), each
+Long by design: it holds three codebooks (the first two still decode the checkpoints saved with them), each
 with its eager encoder and decoder (in place, in a caller's scratch) and the form a compiled kernel traces.
 
 **Layout.** The elements are cut into blocks of :data:`BLOCK` elements (256
@@ -20,26 +20,35 @@ whose values did not change encodes to the very same bits.
 value ``v`` normalized by its block's maximum, ``y = v / absmax``, ``K`` the
 largest magnitude index: 127 or 7 signed, 255 or 15 unsigned):
 
-* ``"asinh"``, signed states (first moment, momentum buffer): the index
+* ``"root"``, every 8-bit state: the index ``k = round(K * |y|**(1/4))`` (signed
+  states, the first moment and the momentum buffer, keep the sign of ``y`` and
+  store ``128 + k``); level ``(k / K)**4`` *as float32 evaluates it*,
+  ``((max(k, 1/2) * float32(1 / K))**2)**2`` (index 0 of an unsigned state at
+  ``k = 1/2``, as ``"pow"`` below), so that a compiled kernel decodes by four
+  multiplies, the table bit for bit (:func:`root_levels`), and encodes by two
+  square roots: no gather, no transcendental function.
+* ``"asinh"``, 4-bit signed states (first moment, momentum buffer): the index
   ``k = round(K * asinh(S * y) / asinh(S))`` (``asinh`` is odd: no sign
   to split off), stored as ``2**(bits-1) + k``; level ``sinh(asinh(S) * k / K) / S``.
   Linear near 0 (exact 0) and logarithmic from ``1/S`` up (a constant
-  relative step ``asinh(S) / K``): mu-law companding.  ``S`` = 1e4 at 8 bits,
-  5 at 4 bits.
-* ``"pow"``, unsigned states (second moment, Adagrad's sum): the index
-  ``k = round(K * y**p)``, level ``(k / K)**(1/p)`` (``p`` = 1/4 at 8 bits,
-  1/2 at 4 bits); index 0 is ``(0.5 / K)**(1/p)``, the top of the values that
+  relative step ``asinh(S) / K``): mu-law companding.  ``S`` = 5.
+* ``"pow"``, 4-bit unsigned states (second moment, Adagrad's sum): the index
+  ``k = round(K * y**p)``, level ``(k / K)**(1/p)`` (``p`` = 1/2); index 0 is ``(0.5 / K)**(1/p)``, the top of the values that
   round to it, not 0: a second moment never decodes to 0 while its first moment
   does not (the "zero-point problem" of Li et al. 2023, "Memory Efficient
   Optimizers with 4-bit States").
 
-Both are one closed-form expression per element, no decade search: the eager
-encoder is 6 (unsigned) or 7 (signed) ops per block range, each in place or
-into an ``out=`` tensor the caller keeps, all native on DirectML; the compiled
-one (float32) a lookup on the float's bits, a shift, one gather from a small table and a compare, whose
-table is found from the eager encoder (:func:`bucket_tables`): the same codes bit for bit.  A decode is one
-gather from the format's 256- or 16-entry table (4 bits: a 256 x 2 table of
-byte -> two values, no unpacking ops) and one multiply by the block scale.
+Each is one closed-form expression per element, no decade search: the eager
+encoder is 6 (unsigned), 7 (``asinh``) or 8 (signed ``root``) ops per block range, each in place or
+into an ``out=`` tensor the caller keeps, all native on DirectML.  The compiled ``asinh`` and ``pow``
+encoders (float32) are a lookup on the float's bits, a shift, one gather from a small table and a compare,
+whose table is found from the eager encoder (:func:`bucket_tables`): the same codes bit for bit; the
+compiled ``root`` encoder's square roots and the eager ``pow`` may round a value within about 1e-5 of a
+code's edge to neighbouring codes.  An eager decode is one gather from the format's 256- or 16-entry
+table (4 bits: a 256 x 2 table of byte -> two values, no unpacking ops) and one multiply by the block scale.
+
+The second codebook, ``"dml-optim-blockwise-2"`` (:data:`SECOND_CODEBOOK`), had the 4-bit codes above and
+at 8 bits ``"asinh"`` (``S`` = 1e4) and ``"pow"`` (``p`` = 1/4, levels in float64); its checkpoints load.
 
 The first codebook, ``"dml-optim-blockwise-1"`` (:data:`LEGACY_CODEBOOK`), is
 kept for reading checkpoints: ``"de"`` (Dettmers et al. 2022's dynamic
@@ -53,7 +62,7 @@ unsigned ones have ``10**-D`` at index 0) and ``"linear"`` (4-bit unsigned,
 Bounds (tests/test_quant.py): the block maximum, 0 (signed formats) and a
 block of equal values are exact; a zero block stays zero; otherwise a value is
 rounded to the nearest level *in the companded domain* (``asinh(S y)`` or
-``y**p``): within half a companded step (:meth:`StateFormat.bound`).
+``|y|**p``): within half a companded step (:meth:`StateFormat.bound`).
 Blocks whose maximum is below ``2**-126 * c`` (``c`` the format's
 :attr:`StateFormat.divisor`: about 3e4 signed, 4e9 for the 8-bit second
 moment, i.e. a block maximum under 5e-29) are encoded against a larger
@@ -63,15 +72,19 @@ divisor: their values decode smaller, never larger than the maximum.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from dml_optim.core.tracing import is_compiling
+
 __all__ = [
     "BLOCK",
     "MIN_ELEMENTS",
     "CODEBOOK",
+    "SECOND_CODEBOOK",
     "LEGACY_CODEBOOK",
     "ACTIVE_CODEBOOK",
     "CODEBOOKS",
@@ -99,6 +112,12 @@ BLOCK = {8: 256, 4: 128}
 MIN_ELEMENTS = 4096
 #: The smallest normal float32: what a block divisor is at least (a zero block divides 0 by it: codes of 0).
 _TINY = 2.0**-126
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (a product of two float32 values is exact in float64, so this
+    rounding of it is float32's multiply)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass(frozen=True)
@@ -161,7 +180,7 @@ class StateFormat:
         (``asinh``: ``S``; ``pow``: ``K**(1/p)``, so that ``(y * divisor)**p = K * y**p``)."""
         if self.kind == "asinh":
             return self.param
-        if self.kind == "pow":
+        if self.kind in ("pow", "root"):
             return float(self.magnitudes) ** (1.0 / self.param)
         raise ValueError(f"{self.name} has no closed-form encoder")
 
@@ -177,6 +196,10 @@ class StateFormat:
             return 1.0 if k == K else math.sinh(math.asinh(self.param) * k / K) / self.param
         if self.kind == "pow":
             return (max(k, 0.5) / K) ** (1.0 / self.param) if k < K else 1.0
+        if self.kind == "root":  # (k / K)**4 as float32 evaluates it: what the compiled decoder computes
+            t = _f32(_f32(max(k, 0.5)) * _f32(1.0 / K))
+            t = _f32(t * t)
+            return _f32(t * t)  # (k = K: exactly 1, as float32(1 / K) * K rounds to 1 for K = 127 and 255)
         if self.kind == "linear":
             return (k + 1) / 2**self.bits
         d = self.de_decades
@@ -214,7 +237,7 @@ class StateFormat:
             u = math.asinh(S * a) * K / A
             lo, hi = max(u - 0.5, 0.0), min(u + 0.5, K)
             return max(a - math.sinh(A * lo / K) / S, math.sinh(A * hi / K) / S - a)
-        if self.kind == "pow":
+        if self.kind in ("pow", "root"):
             p = self.param
             u = K * a**p
             if u < 0.5:
@@ -229,18 +252,28 @@ class StateFormat:
 
 
 #: The codebook :func:`format_for` gives (its name is saved in checkpoints, ``state_dict()["dml_optim"]``).
-CODEBOOK = "dml-optim-blockwise-2"
+CODEBOOK = "dml-optim-blockwise-3"
+#: The second codebook (``asinh`` signed states, ``pow`` unsigned ones at 8 bits): checkpoints saved with it load.
+SECOND_CODEBOOK = "dml-optim-blockwise-2"
 #: The first codebook (dynamic exponent and linear codes): checkpoints saved with it still load.
 LEGACY_CODEBOOK = "dml-optim-blockwise-1"
+
+_ASINH4, _POW4 = StateFormat(4, True, "asinh", 5.0), StateFormat(4, False, "pow", 0.5)  # (in both closed-form books)
 
 #: codebook -> (bits, signed) -> format.  The first moment and the momentum buffer are signed, the second
 #: moment and Adagrad's sum unsigned (their formats have no 0 level).
 CODEBOOKS: dict[str, dict[tuple[int, bool], StateFormat]] = {
     CODEBOOK: {
+        (8, True): StateFormat(8, True, "root", 0.25),
+        (8, False): StateFormat(8, False, "root", 0.25),
+        (4, True): _ASINH4,
+        (4, False): _POW4,
+    },
+    SECOND_CODEBOOK: {
         (8, True): StateFormat(8, True, "asinh", 1e4),
         (8, False): StateFormat(8, False, "pow", 0.25),
-        (4, True): StateFormat(4, True, "asinh", 5.0),
-        (4, False): StateFormat(4, False, "pow", 0.5),
+        (4, True): _ASINH4,
+        (4, False): _POW4,
     },
     LEGACY_CODEBOOK: {
         (8, True): StateFormat(8, True, "de"),
@@ -272,6 +305,9 @@ _BY_NAME = {f.name: f for book in CODEBOOKS.values() for f in book.values()}
 #: ``1 / divisor`` of each closed-form format, computed once (a compiled kernel reads a constant; computed from
 #: the format's fields while dynamo traces, ``K ** (1 / p)`` became a ``pow`` per element).
 _INVERSE_DIVISOR = {f.name: 1.0 / f.divisor for f in _BY_NAME.values() if not f.legacy}
+#: ``float32(1 / K)`` of each ``root`` format by ``(bits, signed)`` (:func:`root_levels`; computed once, outside any
+#: trace; not keyed by :attr:`StateFormat.name`: torch 2.4's dynamo misreads that f-string on a captured format).
+_ROOT_STEP = {(f.bits, f.signed): _f32(1.0 / f.magnitudes) for f in _BY_NAME.values() if f.kind == "root"}
 
 
 def format_named(name: str) -> StateFormat:
@@ -320,7 +356,7 @@ def warm_tables(fmt: StateFormat, dtype: torch.dtype, device: torch.device) -> N
     _levels(fmt, dtype, device)
     for value in (_TINY, float(fmt.base), 0.0):
         _constant(value, dtype, device)
-    if not fmt.legacy and dtype == torch.float32:
+    if fmt.kind in ("asinh", "pow") and dtype == torch.float32:
         bucket_tables(fmt, device)
     _WARM.add(warm)
 
@@ -342,9 +378,7 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
 
 
-def _compiling() -> bool:
-    check = getattr(torch.compiler, "is_compiling", None)
-    return bool(check and check())
+_compiling = is_compiling
 
 
 # -- sizes: scratch and chunks -------------------------------------------------------------------
@@ -389,16 +423,19 @@ def block_mask(valid: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def encode_into(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, *,
-                small: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> None:
+                small: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                work: torch.Tensor | None = None) -> None:
     """Encode ``values`` (whole blocks, float) into ``codes`` and ``scales``, **using ``values`` as the work
     buffer** (it is overwritten): the eager encoder, every op in place or into ``codes``, ``scales`` or
     ``small`` (a float tensor of one element per block, the caller's scratch; allocated if None), so with
     ``small`` given it allocates nothing.
 
-    Ops (8 bits; 4 bits one more, the nibbles' packing): signed (``asinh``) ``linalg_vector_norm`` (inf, per
-    block), ``add`` (the divisor), ``div_``, ``asinh_``, ``add`` (gain and offset), ``round_``, ``copy_``: 7;
-    unsigned (``pow``) ``amax``, ``add``, ``div_``, ``pow_``, ``round_``, ``copy_``: 6; a ``mask`` (padding:
-    encoded as 0, not counted in the maximum) one ``where`` more.
+    Ops (8 bits; 4 bits one more, the nibbles' packing): signed ``linalg_vector_norm`` (inf, per block),
+    ``add`` (the divisor), ``div_``, then (``root``) ``addcmul``, ``pow_``, ``addcmul`` or (``asinh``) ``asinh_``,
+    ``add``, then ``round_``, ``copy_``: 8 or 7; unsigned ``amax``, ``add``, ``div_``, ``pow_``, ``round_``,
+    ``copy_``: 6; a ``mask`` (padding: encoded as 0, not counted in the maximum) one ``where`` more.  ``work``
+    (a float tensor at least as long as ``values``, the caller's scratch; allocated if None): where the signed
+    ``root`` code keeps ``|y|**(-3/4)``.
     """
     if fmt.legacy:
         encode_(values, codes, scales, fmt, mask)
@@ -421,7 +458,9 @@ def encode_into(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         col.copy_(peak)
     torch.add(_constant(_TINY, dtype, device), peak, alpha=1.0 / fmt.divisor, out=s)  # (a zero block: 0 / tiny)
     v.div_(s)
-    compand_(v, fmt)
+    if fmt.kind == "root" and fmt.signed and work is None:
+        work = torch.empty_like(v)
+    compand_(v, fmt, work)
     if fmt.bits == 4:
         pairs = v.view(-1, 2)
         low = pairs[:, 0]
@@ -431,14 +470,24 @@ def encode_into(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         codes.view(-1, b).copy_(v)
 
 
-def compand_(y: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
-    """The code of every ``y`` (a value divided by its block's divisor), in place, as a float: **the one
-    definition of a code** of the second codebook (``asinh``: ``round(base + gain * asinh(y))``; ``pow``:
-    ``round(y**p)``).  The eager encoder runs it; the compiled kernel's bucket tables (:func:`bucket_tables`)
-    are found from it, so both give the same codes bit for bit."""
+def compand_(y: torch.Tensor, fmt: StateFormat, work: torch.Tensor | None = None) -> torch.Tensor:
+    """The code of every ``y`` (a value divided by its block's divisor), in place, as a float: the eager
+    encoder's ops (``asinh``: ``round(base + gain * asinh(y))``; ``pow``, unsigned ``root``: ``round(y**p)``;
+    signed ``root``: ``round(base + y * (y*y + 2**-126)**(-3/8))``, the sign of ``y`` times ``|y|**(1/4)`` in
+    three ops, ``work`` holding the power).  For the second codebook this is **the one definition of a code**:
+    the compiled kernel's bucket tables (:func:`bucket_tables`) are found from it, so both give the same codes
+    bit for bit.  A ``root`` code is ``round(K * |y / absmax|**(1/4))`` (signed: with the sign of ``y``); the
+    compiled kernel takes the root as two square roots (:func:`_encode_functional`), a few float32 roundings
+    away from this ``pow``: a value within about 1e-5 of a code's rounding edge may take the neighbouring code
+    there (tests/test_quant.py measures how rarely)."""
     if fmt.kind == "asinh":
         y.asinh_()
         torch.add(_constant(float(fmt.base), y.dtype, y.device), y, alpha=fmt.gain, out=y)
+    elif fmt.kind == "root" and fmt.signed:
+        w = work.view(-1)[: y.numel()].view(y.shape)
+        torch.addcmul(_constant(_TINY, y.dtype, y.device), y, y, out=w)
+        w.pow_(-0.375)
+        torch.addcmul(_constant(float(fmt.base), y.dtype, y.device), y, w, out=y)
     else:
         y.pow_(fmt.param)
     return y.round_()
@@ -522,7 +571,16 @@ def _encode_functional(v: torch.Tensor, fmt: StateFormat, mask: torch.Tensor | N
         v = torch.where(mask, v, zero)
     a = v.abs() if fmt.signed else v
     absmax = torch.amax(a, dim=1, keepdim=True)
-    y = v / (absmax * _INVERSE_DIVISOR[fmt.name] + _TINY)
+    divisor = absmax * _INVERSE_DIVISOR[fmt.name] + _TINY
+    if fmt.kind == "root":
+        # square roots (vector instructions; no table, no transcendental function) and one reciprocal per block,
+        # not a division per element; unsigned, ``sqrt(v)`` is the rule's own (AdamW's denominator): one
+        # square root more, ``sqrt(sqrt(v) * sqrt(1 / divisor))``
+        inverse = torch.reciprocal(divisor)
+        if fmt.signed:
+            return torch.round(torch.copysign(torch.sqrt(torch.sqrt(a * inverse)), v)) + fmt.base, absmax
+        return torch.round(torch.sqrt(torch.sqrt(v) * torch.sqrt(inverse))), absmax
+    y = v / divisor
     if y.dtype == torch.float32:
         return encode_buckets(y, fmt), absmax
     if fmt.kind == "asinh":
@@ -586,14 +644,33 @@ def decode_into(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, out
     return out
 
 
+def root_levels(codes: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """The float32 levels of a ``root`` format's ``codes`` (any integer dtype) by arithmetic, equal to its table bit
+    for bit (:meth:`StateFormat.level` is this evaluation): ``t = max(k, 0.5) * float32(1 / K)`` (signed: ``k``
+    of either sign, code 0 as 1), then ``(t * t) * (t * t)``, the sign as ``t * |t|`` (its magnitude is
+    ``t * t``'s): multiplies only, so no fused multiply-add can change a rounding.  What the compiled kernel
+    decodes with (a gather from the table is a scalar load per element there)."""
+    k = codes.to(torch.float32)
+    c = _ROOT_STEP[(fmt.bits, fmt.signed)]
+    if fmt.signed:
+        t = torch.clamp_min(k - float(fmt.base), -float(fmt.magnitudes)) * c
+        return (t * t) * (t * t.abs())
+    t = torch.clamp_min(k, 0.5) * c
+    t = t * t
+    return t * t
+
+
 def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, dtype: torch.dtype,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The values of ``codes``/``scales`` in ``dtype`` (into ``out`` when given: a 1-D tensor of whole blocks)."""
     per_byte = 2 if fmt.bits == 4 else 1
     if _compiling():
         index = codes.view(-1, fmt.block // per_byte).to(torch.int32)
-        table = _levels(fmt, dtype, codes.device)
-        values = (_gather(table, index).view(-1, fmt.block) if fmt.bits == 4 else _gather(table, index))
+        if fmt.kind == "root" and dtype == torch.float32:
+            values = root_levels(index, fmt)
+        else:
+            table = _levels(fmt, dtype, codes.device)
+            values = (_gather(table, index).view(-1, fmt.block) if fmt.bits == 4 else _gather(table, index))
         values = values * scales.view(-1, 1).to(dtype)
         if out is None:
             return values.view(-1) if codes.dim() == 1 else values
@@ -721,11 +798,11 @@ class QuantizedState:
         return decode(self.codes, self.scales, self.format, dtype, out)
 
     def encode_(self, values: torch.Tensor, mask: torch.Tensor | None = None, *,
-                small: torch.Tensor | None = None, overwrite: bool = False) -> None:
+                small: torch.Tensor | None = None, work: torch.Tensor | None = None, overwrite: bool = False) -> None:
         """Encode ``values``; with ``overwrite`` the encoder works in ``values`` (:func:`encode_into`, with
-        ``small`` its per-block scratch: nothing allocated), else ``values`` is left as it was."""
+        ``small`` and ``work`` its scratch: nothing allocated), else ``values`` is left as it was."""
         if overwrite and not _compiling() and not self.format.legacy:
-            encode_into(values, self.codes, self.scales, self.format, small=small, mask=mask)
+            encode_into(values, self.codes, self.scales, self.format, small=small, mask=mask, work=work)
         else:
             encode_(values, self.codes, self.scales, self.format, mask)
 

@@ -186,7 +186,8 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     temporaries (None entries: the rule allocates, or fuses).
 
     The eager low-bit chunk (``buffers`` given, quantized states): ``index`` (int32) receives each state's
-    codes before its table gather (it may alias ``scratch[0]``, which the rule writes only later), ``small``
+    codes before its table gather (it may alias ``scratch[0]``, which the rule writes only later; after the rule
+    it is the signed ``root`` encoder's work), ``small``
     (one element per block) is the encoder's divisor, and each state is encoded *in* its decoded buffer
     (:func:`dml_optim.core.quant.encode_into`): nothing is allocated.  ``pad`` instead of ``valid``: the
     chunk's padding positions (int64), set to 0 in the parameters after the rule (one ``scatter_``); the
@@ -224,9 +225,11 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
             xs.view(mask.shape).masked_fill_(mask.logical_not(), 0)
     if pad is not None:
         xs.view(-1).scatter_(0, pad, 0.0)
+    # (the signed ``root`` encoder's work: the decoder's index, free once every state is decoded)
+    work = index.view(compute_dtype) if index is not None and compute_dtype.itemsize == 4 else None
     for s, c in zip(states, ss):
         if isinstance(s, QuantizedState):
-            s.encode_(c, mask, small=small, overwrite=not fused)
+            s.encode_(c, mask, small=small, work=work, overwrite=not fused)
         elif c is not s:
             s.copy_(c)
     if comp is not None:

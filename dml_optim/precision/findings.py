@@ -168,6 +168,9 @@ def _code_words(f) -> str:
         return f"asinh-companded code, linear near 0 and logarithmic down to {decades}"
     if f.kind == "pow":
         return f"power code (levels (k/{f.magnitudes})^{1 / f.param:g}), whose smallest level is {decades}"
+    if f.kind == "root":
+        sign = "signed " if f.signed else ""
+        return f"{sign}fourth-root code (levels (k/{f.magnitudes})^4), whose smallest nonzero level is {decades}"
     return f"dynamic-exponent code spanning {decades}"
 
 
