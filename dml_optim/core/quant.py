@@ -122,8 +122,9 @@ def _f32(x: float) -> float:
 
 @dataclass(frozen=True)
 class StateFormat:
-    """How one state is stored: ``bits`` per code, ``signed``, ``kind`` (``"asinh"``, ``"pow"``; the first
-    codebook's ``"de"``, ``"linear"``) and its ``param`` (``asinh``: ``S``; ``pow``: the exponent ``p``)."""
+    """How one state is stored: ``bits`` per code, ``signed``, ``kind`` (``"root"``, ``"asinh"``, ``"pow"``; the
+    first codebook's ``"de"``, ``"linear"``) and its ``param`` (``asinh``: ``S``; ``pow``: the exponent ``p``;
+    ``root``: 1/4, the only root :meth:`level` and :func:`root_levels` evaluate)."""
 
     bits: int
     signed: bool
@@ -484,7 +485,7 @@ def compand_(y: torch.Tensor, fmt: StateFormat, work: torch.Tensor | None = None
         y.asinh_()
         torch.add(_constant(float(fmt.base), y.dtype, y.device), y, alpha=fmt.gain, out=y)
     elif fmt.kind == "root" and fmt.signed:
-        w = work.view(-1)[: y.numel()].view(y.shape)
+        w = work.view(-1)[: y.numel()].view(y.shape) if work is not None else torch.empty_like(y)
         torch.addcmul(_constant(_TINY, y.dtype, y.device), y, y, out=w)
         w.pow_(-0.375)
         torch.addcmul(_constant(float(fmt.base), y.dtype, y.device), y, w, out=y)
