@@ -15,6 +15,9 @@ installed bitsandbytes ``AdamW8bit`` and torchao ``AdamW8bit``/``AdamW4bit``.
 
     .venv/bin/python bench/lm_text.py --seeds 0 1 --out bench/results/lm-text-<date>.json
 
+``--codebook dml-optim-blockwise-2`` makes dml_optim's low-bit states in an earlier codebook, to compare
+codebooks on the same batches (the JSON records the codebook).
+
 Bars (issue 34): 8-bit within 0.25% and 4-bit within 0.75% of FP32's held-out
 loss (mean over seeds).  This is a bench row, not a timed test.
 """
