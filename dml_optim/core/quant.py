@@ -372,14 +372,11 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     an ``embedding`` when compiled (the kernel loads the table in place; an ``index_select`` over the
     flattened index makes inductor index the output modulo the row count, and ``aten::index`` wraps negative
     indices per element: the embedding's lowering does neither).  Both are native on DirectML."""
-    if _compiling():
+    if is_compiling():
         if table.dim() == 1:
             return torch.nn.functional.embedding(index, table.view(-1, 1)).view(index.shape)
         return torch.nn.functional.embedding(index, table)
     return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
-
-
-_compiling = is_compiling
 
 
 # -- sizes: scratch and chunks -------------------------------------------------------------------
@@ -604,7 +601,7 @@ def encode_(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt
     """
     b = fmt.block
     if not fmt.legacy:
-        if _compiling():
+        if is_compiling():
             k, absmax = _encode_functional(values.reshape(-1, b), fmt, mask)
             if fmt.bits == 4:
                 k = k[:, 0::2] + k[:, 1::2] * 16
@@ -665,11 +662,12 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, dtype: t
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The values of ``codes``/``scales`` in ``dtype`` (into ``out`` when given: a 1-D tensor of whole blocks)."""
     per_byte = 2 if fmt.bits == 4 else 1
-    if _compiling():
-        index = codes.view(-1, fmt.block // per_byte).to(torch.int32)
+    if is_compiling():
+        codes2d = codes.view(-1, fmt.block // per_byte)
         if fmt.kind == "root" and dtype == torch.float32:
-            values = root_levels(index, fmt)
+            values = root_levels(codes2d, fmt)  # (the bytes converted once, straight to float32)
         else:
+            index = codes2d.to(torch.int32)
             table = _levels(fmt, dtype, codes.device)
             values = (_gather(table, index).view(-1, fmt.block) if fmt.bits == 4 else _gather(table, index))
         values = values * scales.view(-1, 1).to(dtype)
@@ -794,7 +792,7 @@ class QuantizedState:
                index: torch.Tensor | None = None) -> torch.Tensor:
         """The values in ``dtype`` (into ``out``; with ``index``, an int32 scratch of :func:`index_elements`,
         nothing is allocated)."""
-        if index is not None and out is not None and not _compiling() and self.scales.dtype == dtype:
+        if index is not None and out is not None and not is_compiling() and self.scales.dtype == dtype:
             return decode_into(self.codes, self.scales, self.format, out, index)
         return decode(self.codes, self.scales, self.format, dtype, out)
 
@@ -802,7 +800,7 @@ class QuantizedState:
                 small: torch.Tensor | None = None, work: torch.Tensor | None = None, overwrite: bool = False) -> None:
         """Encode ``values``; with ``overwrite`` the encoder works in ``values`` (:func:`encode_into`, with
         ``small`` and ``work`` its scratch: nothing allocated), else ``values`` is left as it was."""
-        if overwrite and not _compiling() and not self.format.legacy:
+        if overwrite and not is_compiling() and not self.format.legacy:
             encode_into(values, self.codes, self.scales, self.format, small=small, mask=mask, work=work)
         else:
             encode_(values, self.codes, self.scales, self.format, mask)
