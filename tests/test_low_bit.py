@@ -17,8 +17,10 @@ from __future__ import annotations
 import copy
 import functools
 import io
-
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,30 +151,98 @@ def test_the_compiled_step_gives_the_eager_codes(name, bits):
         torch.testing.assert_close(a.scales, b.scales, rtol=1e-5, atol=0)
 
 
+def _compiled_run(monkeypatch, scratch_bound: int | None, realize_options: dict | None = None):
+    """8-bit AdamW on the compiled backend, 3 steps over one parameter of 4 x 33 blocks less 50 elements (the
+    eager scratch bound lowered to ``scratch_bound`` bytes; ``realize_options``: ``compiled._RECOMPUTE`` as a
+    torch without some of those inductor options has it): its parameter, the optimizer and its kernel calls."""
+    from dml_optim.backends import compiled, eager
+
+    if scratch_bound is not None:
+        monkeypatch.setattr(eager, "MIN_SCRATCH", scratch_bound)
+    if realize_options is not None:
+        monkeypatch.setattr(compiled, "_RECOMPUTE", realize_options)
+    calls = []
+    launch = compiled.CompiledBackend.__dict__["_launch"].__func__
+
+    def counted(opt, key, args, device, counting):
+        calls.append(args[0].shape[0])  # (the operands' first dimension: the call's blocks)
+        return launch(opt, key, args, device, counting)
+
+    monkeypatch.setattr(compiled.CompiledBackend, "_launch", staticmethod(counted))
+    params = [torch.nn.Parameter(torch.randn(4 * 33 * 256 - 50, generator=torch.Generator().manual_seed(0)))]
+    opt = dml_optim.AdamW(params, lr=1e-3, state_bits=8, backend="compiled")
+    for step in range(3):
+        params[0].grad = torch.randn(params[0].shape, generator=torch.Generator().manual_seed(step + 1))
+        opt.step()
+    assert opt.flat_buffers()[0].backend == "compiled"
+    assert opt.flat_buffers()[0].step_counts == (3,)
+    return params[0].detach(), opt, calls
+
+
 @_COMPILED
 @pytest.mark.slow
-def test_the_compiled_kernel_runs_a_large_quantized_buffer_in_chunks(monkeypatch):
-    """The compiled kernel materializes its decoded states: a quantized buffer whose decoded states would
-    pass the eager scratch bound runs through it in chunks (here the bound lowered to make four), with the
-    same result as one call and its step count advanced once a step."""
-    from dml_optim.backends import eager
+def test_the_compiled_kernel_takes_a_large_quantized_buffer_in_one_call(monkeypatch):
+    """The kernel realizes nothing per element (``compiled._RECOMPUTE``): a quantized buffer far over the eager
+    scratch bound (lowered here to one block) still takes one call a step."""
+    _, _, calls = _compiled_run(monkeypatch, 256)
+    assert calls == [4 * 33] * 3
 
-    def run(chunked):
-        params = [torch.nn.Parameter(torch.randn(4 * 33 * 256 - 50, generator=torch.Generator().manual_seed(0)))]
-        opt = dml_optim.AdamW(params, lr=1e-3, state_bits=8, backend="compiled")
-        for step in range(3):
-            params[0].grad = torch.randn(params[0].shape, generator=torch.Generator().manual_seed(step + 1))
-            opt.step()
-        return params[0].detach(), opt
 
-    one, opt_one = run(False)
-    monkeypatch.setattr(eager, "MIN_SCRATCH", 2 * 4 * 33 * 256)  # two decoded states of 33 blocks
-    four, opt_four = run(True)
-    assert opt_four.flat_buffers()[0].backend == "compiled"
-    assert opt_four.flat_buffers()[0].step_counts == (3,)
+@_COMPILED
+@pytest.mark.slow
+def test_the_compiled_kernel_runs_a_large_quantized_buffer_in_chunks_without_the_realize_options(monkeypatch):
+    """Where this torch lacks one of the inductor options that keep the kernel's values unrealized, the kernel
+    materializes its decoded states: a quantized buffer whose decoded states would pass the eager scratch bound
+    runs through it in chunks (here the bound lowered to make four), with the same result as one call and its
+    step count advanced once a step."""
+    from dml_optim.backends import compiled
+
+    one, opt_one, calls_one = _compiled_run(monkeypatch, None)
+    assert calls_one == [4 * 33] * 3
+    partial = dict(list(compiled._RECOMPUTE.items())[:-1])
+    four, opt_four, calls = _compiled_run(monkeypatch, 2 * 4 * 33 * 256, partial)  # two decoded states of 33 blocks
+    assert calls == [33] * 12
     assert torch.equal(four, one)
     for (_, a), (_, b) in zip(_quantized(opt_four), _quantized(opt_one)):
         assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+
+
+_PEAK_CHILD = """
+import gc, sys, torch, dml_optim
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+torch.manual_seed(0)
+n = 1 << 22
+p = torch.nn.Parameter(torch.randn(n) * 0.1)
+p.grad = torch.randn(n) * 1e-2
+opt = dml_optim.AdamW([p], lr=1e-3, weight_decay=1e-2, state_bits=8, backend="compiled")
+for _ in range(3):
+    opt.step()
+assert opt.flat_buffers()[0].backend == "compiled"
+gc.collect()
+before = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+for _ in range(3):
+    opt.step()
+print((status("VmHWM") - before) / n)
+"""
+
+
+@_COMPILED
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
+                    reason="the resident peak is read from /proc/self/status after a reset (Linux only)")
+def test_the_compiled_low_bit_step_allocates_nothing_per_element():
+    """Issue 34, item 5: the compiled 8-bit step's own memory, measured as the resident peak above the resident
+    set in a fresh process (every allocation its own mapping: ``MALLOC_MMAP_THRESHOLD_``), is a few floats
+    per block, not a float per element (a kernel that realized one state would add 4 bytes per parameter)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", _PEAK_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    per_param = float(out.stdout.strip().splitlines()[-1])
+    assert per_param < 0.25, per_param
 
 
 # -- memory ----------------------------------------------------------------------------------------

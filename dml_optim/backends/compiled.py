@@ -151,11 +151,12 @@ def kernel(key: KernelKey | MaskedKey):
 #: Inductor options of a kernel with quantized states: inline every pointwise value into its readers (never
 #: realize one for having many reads or ops), so the decoded states and the rule's results are recomputed
 #: from the codes and the gradient in the second loop instead of stored as float buffers between loops:
-#: the kernel makes two passes per chunk (one to find the new block maxima, one to write the parameters and
-#: the codes), reading codes and gradients twice and writing nothing else (16M elements, 8-bit AdamW: six
-#: loops and two 64 MB float buffers written and read again before).
-_RECOMPUTE = {name: 1 << 20 for name in ("realize_opcount_threshold", "realize_reads_threshold",
-                                          "realize_acc_reads_threshold") if _has_option(name)}
+#: the kernel makes two passes (one to find the new block maxima, one to write the parameters and the codes),
+#: reading codes and gradients twice, writing nothing else and allocating a few floats per block, so it takes a
+#: buffer of any size in one call (16M elements, 8-bit AdamW: six loops and two 64 MB float buffers written and
+#: read again before; in one call now the step's peak is 0.5 MB above the resident set, VmHWM).
+_REALIZE_OPTIONS = ("realize_opcount_threshold", "realize_reads_threshold", "realize_acc_reads_threshold")
+_RECOMPUTE = {name: 1 << 20 for name in _REALIZE_OPTIONS if _has_option(name)}
 
 
 def clear_cache() -> None:
@@ -322,12 +323,14 @@ class CompiledBackend:
 
     @staticmethod
     def _chunk(key: KernelKey, flat, numel: int) -> int:
-        """Elements per kernel call over ``numel`` elements of ``flat``: all of them, or for quantized states
-        chunks whose decoded states (4 bytes per element each, which the kernel materializes) stay within
-        :func:`~dml_optim.backends.eager.scratch_budget` (a new 64 MB temporary costs a CPU its page faults:
-        at 16M elements 8-bit AdamW took 0.57 s a step in one call)."""
+        """Elements per kernel call over ``numel`` elements of ``flat``: all of them (a kernel that realizes
+        nothing per element, :data:`_RECOMPUTE` in full: it allocates a few floats per block), or, where this torch
+        lacks one of those options, for quantized states chunks whose decoded states (4 bytes per element
+        each, which such a kernel materializes) stay within :func:`~dml_optim.backends.eager.scratch_budget`
+        (a new 64 MB temporary costs a CPU its page faults: at 16M elements 8-bit AdamW took 0.57 s a step in
+        one call then)."""
         n = sum(f is not None for f in key.formats)
-        if not flat.bits or not n:
+        if not flat.bits or not n or len(_RECOMPUTE) == len(_REALIZE_OPTIONS):
             return numel
         return chunk_elements(numel, 4 * n, ops_per_chunk=0, align=flat.align,
                               max_scratch=_eager.scratch_budget(flat.numel))
