@@ -152,11 +152,18 @@ def kernel(key: KernelKey | MaskedKey):
 #: realize one for having many reads or ops), so the decoded states and the rule's results are recomputed
 #: from the codes and the gradient in the second loop instead of stored as float buffers between loops:
 #: the kernel makes two passes (one to find the new block maxima, one to write the parameters and the codes),
-#: reading codes and gradients twice, writing nothing else and allocating a few floats per block, so it takes a
-#: buffer of any size in one call (16M elements, 8-bit AdamW: six loops and two 64 MB float buffers written and
-#: read again before; in one call now the step's peak is 0.5 MB above the resident set, VmHWM).
+#: reading codes and gradients twice and writing nothing else (16M elements, 8-bit AdamW: six loops and two 64 MB
+#: float buffers written and read again before; in one call now the step's peak is 0.5 MB above the resident set,
+#: VmHWM, torch 2.13).
 _REALIZE_OPTIONS = ("realize_opcount_threshold", "realize_reads_threshold", "realize_acc_reads_threshold")
 _RECOMPUTE = {name: 1 << 20 for name in _REALIZE_OPTIONS if _has_option(name)}
+#: The devices where such a kernel was measured to allocate nothing per element, so that a quantized buffer of
+#: any size takes one call a step: the CPU from torch 2.13 (2.13 and 2.14: the step's resident peak at most
+#: 0.04 B/param above the resident set for every optimizer with ``state_bits``, 4M elements).  torch 2.4's
+#: inductor writes the new codes (and an FP32 master copy) to temporaries and copies them into the states
+#: (2 B/param measured for 8-bit AdamW, 6 with FP16 master weights), and CUDA's kernels were not measured:
+#: there the kernel runs in chunks within the scratch bound (:meth:`CompiledBackend._chunk`).
+_ONE_CALL_DEVICES = ("cpu",) if torch.__version__ >= "2.13" else ()
 
 
 def clear_cache() -> None:
@@ -323,14 +330,15 @@ class CompiledBackend:
 
     @staticmethod
     def _chunk(key: KernelKey, flat, numel: int) -> int:
-        """Elements per kernel call over ``numel`` elements of ``flat``: all of them (a kernel that realizes
-        nothing per element, :data:`_RECOMPUTE` in full: it allocates a few floats per block), or, where this torch
-        lacks one of those options, for quantized states chunks whose decoded states (4 bytes per element
-        each, which such a kernel materializes) stay within :func:`~dml_optim.backends.eager.scratch_budget`
-        (a new 64 MB temporary costs a CPU its page faults: at 16M elements 8-bit AdamW took 0.57 s a step in
-        one call then)."""
+        """Elements per kernel call over ``numel`` elements of ``flat``: all of them where the kernel realizes
+        nothing per element (:data:`_ONE_CALL_DEVICES`, with :data:`_RECOMPUTE` in full: it allocates a few
+        floats per block), else for quantized states chunks whose temporaries (at most their decoded states,
+        4 bytes per element each) stay within :func:`~dml_optim.backends.eager.scratch_budget` (a new 64 MB
+        temporary costs a CPU its page faults: at 16M elements 8-bit AdamW took 0.57 s a step in one call when
+        the kernel realized its states)."""
         n = sum(f is not None for f in key.formats)
-        if not flat.bits or not n or len(_RECOMPUTE) == len(_REALIZE_OPTIONS):
+        in_place = flat.device.type in _ONE_CALL_DEVICES and len(_RECOMPUTE) == len(_REALIZE_OPTIONS)
+        if not flat.bits or not n or in_place:
             return numel
         return chunk_elements(numel, 4 * n, ops_per_chunk=0, align=flat.align,
                               max_scratch=_eager.scratch_budget(flat.numel))
