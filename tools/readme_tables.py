@@ -46,7 +46,7 @@ SOURCES = {
     "cpu": "bench/results/cpu-2026-11-28.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-29-one-call-1.json",
-    "memory": "bench/results/memory-2026-11-28-backward.json",
+    "memory": "bench/results/memory-2026-11-29.json",
     "fits": "bench/results/fits-2026-11-28.json",
 }
 #: (optimizer, model) per row of the audit table.
