@@ -47,7 +47,7 @@ SOURCES = {
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-29-one-call-1.json",
     "memory": "bench/results/memory-2026-11-29.json",
-    "fits": "bench/results/fits-2026-11-28.json",
+    "fits": "bench/results/fits-2026-11-29.json",
 }
 #: (optimizer, model) per row of the audit table.
 AUDIT_ROWS = (
