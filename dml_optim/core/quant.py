@@ -456,8 +456,6 @@ def encode_into(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         col.copy_(peak)
     torch.add(_constant(_TINY, dtype, device), peak, alpha=1.0 / fmt.divisor, out=s)  # (a zero block: 0 / tiny)
     v.div_(s)
-    if fmt.kind == "root" and fmt.signed and work is None:
-        work = torch.empty_like(v)
     compand_(v, fmt, work)
     if fmt.bits == 4:
         pairs = v.view(-1, 2)
