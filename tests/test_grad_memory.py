@@ -105,6 +105,34 @@ def test_graph_holding_and_fused_gradients_stay_where_they_are():
         fused.zero_grad(set_to_none=True)
 
 
+
+@needs_hooks
+def test_the_hook_moves_a_fresh_gradient_with_one_view_and_one_copy():
+    """What DirectML dispatches for the hooks under set_to_none=True: the same backward as torch.optim's
+    (which has no hooks), plus one view (the slot's) and one copy per parameter, nothing else."""
+    from collections import Counter
+
+    from dml_optim.core.opcount import OpRecorder
+
+    def backward_events(opt, model) -> Counter:
+        for i in range(2):  # (the first step makes the flat gradient buffer; the second backward is the steady one)
+            _loss(model, i).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        loss = _loss(model, 2)
+        recorder = OpRecorder(compiled=False)
+        with recorder:
+            loss.backward()
+        return Counter(e.name for e in recorder.events)
+
+    ours_model, theirs_model = _model(), _model()
+    ours = backward_events(dml_optim.AdamW(ours_model.parameters(), lr=1e-2, backend="eager"), ours_model)
+    theirs = backward_events(torch.optim.AdamW(theirs_model.parameters(), lr=1e-2, foreach=False), theirs_model)
+    assert _shared(ours_model.parameters())
+    n = len(list(ours_model.parameters()))
+    assert ours - theirs == Counter({"aten::as_strided": n, "aten::copy_": n})
+    assert not theirs - ours
+
 @needs_hooks
 def test_a_copied_optimizer_hooks_its_own_parameters():
     model = _model()

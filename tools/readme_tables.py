@@ -293,6 +293,11 @@ def _blocks(*blocks: list[str]) -> list[str]:
     return [line for block in blocks if block for line in (*block, "")]
 
 
+_EAGER_BACKWARD = ("; then the three loops there with a real `backward()` (the same models' tensor counts, 16 elements "
+                   "each, so the iteration's time is host time; the post-accumulate-grad hooks that move fresh gradients "
+                   "into the flat buffer run inside it), beside torch fused and torch's for-loop AdamW, for information:")
+
+
 def _new_rows(doc: dict, shown: set[str]) -> list[str]:
     """The None-pattern and construction tables with their note, then the loop tables (the CPU loops, DirectML's
     eager path) with theirs, each where ``doc`` has them (the committed documents of 2026-11-23 have none, those
@@ -312,7 +317,8 @@ def _new_rows(doc: dict, shown: set[str]) -> list[str]:
                      "(gradients simulated identically for both), `zero_grad()` then `step()`; `lambdalr`: a `LambdaLR` "
                      "changing lr every step; `none+lambdalr`: `zero_grad(set_to_none=True)`, fresh gradient tensors every "
                      "step, as accelerate and transformers' Trainer run. DirectML's path: `backend=\"eager\"` on the CPU "
-                     "with 16-element tensors, host time per step (what DirectML's dispatch pays on top of its kernels):"),
+                     "with 16-element tensors, host time per step (what DirectML's dispatch pays on top of its kernels)"
+                     + (_EAGER_BACKWARD if any(r.get("loops") for r in doc.get("loops_eager") or []) else ":")),
                "", *_blocks(*loops)] if any(loops) else [])]
 
 

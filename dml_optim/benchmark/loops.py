@@ -25,6 +25,10 @@ tensor (at most :data:`EAGER_VS_FORLOOP_LIMIT`), a step whose lr changed beside 
 :data:`EAGER_LR_CHANGE_LIMIT`), 2,000 tensors beside one (at most :data:`EAGER_MANY_LIMIT`, default checks), and,
 for information, the same with ``checks="refs"`` (the default ``"full"`` reads every parameter's ``.grad`` and
 data pointer, about 0.1 us each in C: at 2,000 tensors those reads cost several steps of one tensor).
+Then, for information (the record's ``loops``), the three loops on DirectML's path with a real ``backward()``
+(:func:`measure_eager_backward_loops`: the same models' tensor counts, 16 elements each, so the iteration's time
+is host time; the hooks that move fresh gradients into the flat buffer run inside ``backward()``), beside torch
+fused and torch's for-loop AdamW.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 from dml_optim.benchmark.timing import paired_ratio, round_robin, wall_seconds
 
 __all__ = ["MODELS", "LOOPS", "VS_FUSED_LIMIT", "EAGER_VS_FORLOOP_LIMIT", "EAGER_LR_CHANGE_LIMIT", "EAGER_MANY_LIMIT",
-           "model_shapes", "measure_loops", "measure_eager_loops", "loop_targets"]
+           "model_shapes", "measure_loops", "measure_eager_loops", "measure_eager_backward_loops", "loop_targets"]
 
 #: torch fused's iteration time over dml_optim's, at least (every CPU loop row).
 VS_FUSED_LIMIT = 1.0
@@ -71,25 +75,33 @@ def model_shapes(name: str, quick: bool = False) -> list[tuple[int, ...]]:
 
 
 class _Loop:
-    """One candidate's training loop: its parameters, optimizer, scheduler and simulated gradients."""
+    """One candidate's training loop: its parameters, optimizer, scheduler and gradients, simulated or (``backward``)
+    made by a real ``backward()`` of ``sum((p * g).sum())``, whose gradients are the same ``grads``; ``backend``:
+    dml_optim's (None: the default)."""
 
-    def __init__(self, candidate: str, shapes, loop: str, values: list, grads: list):
+    def __init__(self, candidate: str, shapes, loop: str, values: list, grads: list, backend: str | None = None,
+                 backward: bool = False):
         import dml_optim
 
         self.params = [torch.nn.Parameter(v.clone()) for v in values]
         self.grads = grads
         self.none = loop.startswith("none")
+        self.backward = backward
         if candidate == "torch fused":
             self.opt = torch.optim.AdamW(self.params, lr=1e-3, weight_decay=0.01, fused=True)
+        elif candidate == "torch for-loop":
+            self.opt = torch.optim.AdamW(self.params, lr=1e-3, weight_decay=0.01, foreach=False)
         else:
-            self.opt = dml_optim.AdamW(self.params, lr=1e-3, weight_decay=0.01)
+            self.opt = dml_optim.AdamW(self.params, lr=1e-3, weight_decay=0.01, **({"backend": backend} if backend else {}))
         self.sched = (torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1.0 + 1e-3 * s))
                       if "lambdalr" in loop else None)
 
     def step(self) -> None:
         opt = self.opt
         opt.zero_grad(set_to_none=self.none)
-        if self.none:  # (backward: fresh gradient tensors)
+        if self.backward:  # (autograd: fresh gradients after set_to_none, else accumulated where they are)
+            sum((p * g).sum() for p, g in zip(self.params, self.grads)).backward()
+        elif self.none:  # (backward: fresh gradient tensors)
             for p, g in zip(self.params, torch._foreach_mul(self.grads, 1.0)):
                 p.grad = g
         else:  # (backward: accumulated into the gradients that stay)
@@ -135,16 +147,7 @@ def measure_loops(model: str, settings: dict, log: Callable[[str], None], *, qui
     values, grads = _values(shapes, 0, 0.1), _values(shapes, 7, 1e-2)
     records = []
     for loop in LOOPS:
-        def measure():
-            loops = {name: _Loop(name, shapes, loop, values, grads) for name in ("dml_optim", "torch fused")}
-            for stepper in loops.values():
-                for _ in range(3):
-                    stepper.step()
-            return round_robin({k: s.step for k, s in loops.items()},
-                               lambda fn, inner: wall_seconds(fn, torch.device("cpu"), inner), settings)
-
-        timed = _one_thread(measure)
-        rows = {k: _row(k, t) for k, t in timed.items()}
+        rows = _measure_loop(shapes, loop, values, grads, ("dml_optim", "torch fused"), settings)
         ratio, spread = _ratio(rows, "torch fused", "dml_optim")
         record = {"optimizer": "adamw", "workload": f"{model} {loop}", "model": model, "loop": loop, "tensors": len(shapes),
                   "parameters": sum(math.prod(s) for s in shapes), "vs_fused_limit": VS_FUSED_LIMIT,
@@ -152,6 +155,44 @@ def measure_loops(model: str, settings: dict, log: Callable[[str], None], *, qui
         log(f"  loops {model:10} {loop:14} dml_optim {rows['dml_optim']['ms_per_step']:.3f} ms, torch fused "
             f"{rows['torch fused']['ms_per_step']:.3f} ms: {ratio:.2f}x [{spread[0]:.2f}, {spread[1]:.2f}]")
         records.append(record)
+    return records
+
+
+def _measure_loop(shapes, loop: str, values: list, grads: list, names: tuple[str, ...], settings: dict,
+                  backend: str | None = None, backward: bool = False) -> dict[str, dict]:
+    """Each candidate of ``names`` in ``loop`` (:class:`_Loop`), timed round-robin on one thread: its row."""
+    def measure():
+        loops = {name: _Loop(name, shapes, loop, values, grads, backend, backward) for name in names}
+        for stepper in loops.values():
+            for _ in range(3):
+                stepper.step()
+        return round_robin({k: s.step for k, s in loops.items()},
+                           lambda fn, inner: wall_seconds(fn, torch.device("cpu"), inner), settings)
+
+    return {k: _row(k, t) for k, t in _one_thread(measure).items()}
+
+
+def measure_eager_backward_loops(settings: dict, log: Callable[[str], None], *,
+                                 quick: bool = False) -> list[dict[str, Any]]:
+    """DirectML's path in the loops people run, a real ``backward()`` each iteration (the post-accumulate-grad
+    hooks move fresh gradients into the flat buffer there): each model of :data:`MODELS` with as many tensors of
+    16 elements (host time), each loop of :data:`LOOPS`, ``backend="eager"`` beside torch fused and torch's
+    for-loop AdamW (what DirectML can run); the iteration's time, ratios round by round with their quartiles."""
+    records = []
+    for model in MODELS:
+        shapes = [(16,)] * len(model_shapes(model, quick))
+        values, grads = _values(shapes, 0, 0.1), _values(shapes, 7, 1e-2)
+        for loop in LOOPS:
+            rows = _measure_loop(shapes, loop, values, grads, ("dml_optim", "torch fused", "torch for-loop"), settings,
+                                 backend="eager", backward=True)
+            fused, fused_spread = _ratio(rows, "torch fused", "dml_optim")
+            forloop, forloop_spread = _ratio(rows, "torch for-loop", "dml_optim")
+            records.append({"model": model, "loop": loop, "tensors": len(shapes), "elements_per_tensor": 16,
+                            "ratio_fused_to_ours": fused, "spread_fused_to_ours": fused_spread,
+                            "ratio_forloop_to_ours": forloop, "spread_forloop_to_ours": forloop_spread,
+                            "rows": list(rows.values())})
+            log(f"  loops eager {model:10} {loop:14} (backward) dml_optim {rows['dml_optim']['ms_per_step']:.3f} ms, "
+                f"torch fused {fused:.2f}x, torch for-loop {forloop:.2f}x ours")
     return records
 
 
@@ -180,9 +221,11 @@ class _Eager:
         self.opt.step()
 
 
-def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bool = False) -> dict[str, Any]:
+def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bool = False,
+                        loop_settings: dict | None = None) -> dict[str, Any]:
     """DirectML's path, host time per step (see the module docstring): one record with every candidate's row
-    and the three ratios with their quartiles."""
+    and the three ratios with their quartiles; ``loops``: :func:`measure_eager_backward_loops` (sampled with
+    ``loop_settings``; None: ``settings``)."""
     many = 200 if quick else 2000
     candidates = {"eager, 1 tensor": ("eager", 1, False), "eager, 1 tensor, lr changing": ("eager", 1, True),
                   f"eager, {many} tensors": ("eager", many, False),
@@ -209,7 +252,8 @@ def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bo
               "ratio_lr_change": lr_change, "spread_lr_change": lr_spread, "lr_change_limit": EAGER_LR_CHANGE_LIMIT,
               "ratio_many": many_ratio, "spread_many": many_spread, "many_limit": EAGER_MANY_LIMIT,
               "ratio_many_refs": refs_ratio, "spread_many_refs": refs_spread,
-              "rows": list(rows.values())}
+              "rows": list(rows.values()),
+              "loops": measure_eager_backward_loops(loop_settings or settings, log, quick=quick)}
     log("  loops eager (host us per step): " + ", ".join(f"{k} {r['ms_per_step'] * 1e3:.1f}" for k, r in rows.items()))
     log(f"  loops eager: 1 tensor / torch for-loop {vs_loop:.2f}x, lr changing / steady {lr_change:.2f}x, "
         f"{many} / 1 tensors {many_ratio:.2f}x ({refs_ratio:.2f}x with checks='refs')")

@@ -306,7 +306,8 @@ def loops_table(doc: dict[str, Any], shown: set[str] | None = None) -> list[str]
 
 def eager_loops_table(doc: dict[str, Any], shown: set[str] | None = None) -> list[str]:
     """DirectML's path (``backend="eager"``, host time per step, 16-element tensors): each candidate's us per step
-    as median (fastest-slowest), then the three ratios with their quartiles and the targets."""
+    as median (fastest-slowest), then the three ratios with their quartiles and the targets, then (where the record
+    has them) the loops with a real ``backward()``, ms per iteration beside torch fused and torch's for-loop."""
     lines = []
     for rec in doc.get("loops_eager") or []:
         us = [[r["candidate"], f"{r['ms_per_step'] * 1e3:.1f} ({r['ms_min'] * 1e3:.1f}-{r['ms_max'] * 1e3:.1f})"]
@@ -327,6 +328,17 @@ def eager_loops_table(doc: dict[str, Any], shown: set[str] | None = None) -> lis
         lines += [*_table(["eager step (DirectML's path)", "host us per step"], us, 1), "",
                   *_table(["eager ratio", "measured", "target"],
                           [[name, value, _named_cells(t, shown)] for name, value, t in ratios], 1, left_last=1)]
+        loops = []
+        for row in rec.get("loops") or []:  # (the loops with a real backward: information, no target)
+            by = {r["candidate"]: r for r in row["rows"]}
+            loops.append([row["model"], row["loop"], str(row["tensors"]),
+                          *[_spread(by.get(c), "ms_per_step") for c in ("dml_optim", "torch fused", "torch for-loop")],
+                          ratio_cell(row["ratio_fused_to_ours"], row.get("spread_fused_to_ours")),
+                          ratio_cell(row["ratio_forloop_to_ours"], row.get("spread_forloop_to_ours"))])
+        if loops:
+            lines += ["", *_table(["loop model (16 per tensor)", "loop, with backward()", "tensors", "dml_optim eager ms",
+                                   "torch fused ms", "torch for-loop ms", "torch fused / dml_optim",
+                                   "torch for-loop / dml_optim"], loops, 2)]
     return lines
 
 

@@ -226,7 +226,7 @@ def _tasks(plan: Plan) -> list[Task]:
                               lambda doc, log, m=model: doc["loops"].extend(loops.measure_loops(m, s, log, quick=quick))))
         eager_s = {**s, "min_inner": 20, "max_inner": 5000}
         tasks.append(Task("loops", "loops: DirectML's path (eager, host time per step) vs torch's for-loop AdamW",
-                          lambda doc, log: doc["loops_eager"].append(loops.measure_eager_loops(eager_s, log, quick=quick))))
+                          lambda doc, log: doc["loops_eager"].append(loops.measure_eager_loops(eager_s, log, quick=quick, loop_settings=s))))
     if "nonepattern" in plan.rows:
         name = nonepattern.workload(quick=quick).name
         for o in plan.optimizers:

@@ -166,10 +166,9 @@ class GradientsMixin:
         grad = self.ensure_grad()  # (zeros: slots of parameters without a gradient are zeroed again at the step)
         if _storage(g) == _storage(grad):
             return False
-        lo, hi = self.span(i)
-        with torch.no_grad():
-            grad[lo:hi].copy_(g.view(-1))
-        p.grad = self.grad_view(i)
+        view = self.grad_view(i)  # (neither it nor ``g`` requires grad: no graph is recorded, no_grad not needed)
+        view.copy_(g)
+        p.grad = view
         return True
 
     def release_grad(self) -> None:
@@ -207,7 +206,8 @@ class GradientsMixin:
         a = self.offsets[i]
         if view is None or view.data_ptr() != self.grad.data_ptr() + a * self.grad.element_size():
             # (none yet, or its .data was re-bound away: model.to() does that to the gradients it finds)
-            view = self.grad[a : a + self.sizes[i]].view(self.shapes[i])
+            shape = self.shapes[i]  # (one view op, not a slice and a view: the hook makes one per fresh gradient)
+            view = self.grad.as_strided(shape, _contiguous_strides(shape), self.grad.storage_offset() + a)
             self.grad_refs[i] = weakref.ref(view)
         return view
 
@@ -420,6 +420,15 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
             runs.append((i, i + 1))
     return runs
 
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as torch computes them: a dimension of size 0 counts as 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _storage(t: torch.Tensor) -> int:
