@@ -25,7 +25,7 @@ import sys
 import warnings
 import weakref
 from itertools import repeat
-from functools import partial
+from functools import lru_cache, partial
 from typing import Sequence
 
 import torch
@@ -422,6 +422,7 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
 
 
 
+@lru_cache(maxsize=4096)
 def _contiguous_strides(shape) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape`` (as torch computes them: a dimension of size 0 counts as 1)."""
     strides, step = [], 1
