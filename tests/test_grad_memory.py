@@ -105,7 +105,6 @@ def test_graph_holding_and_fused_gradients_stay_where_they_are():
         fused.zero_grad(set_to_none=True)
 
 
-
 @needs_hooks
 def test_the_hook_moves_a_fresh_gradient_with_one_view_and_one_copy():
     """What DirectML dispatches for the hooks under set_to_none=True: the same backward as torch.optim's
@@ -132,6 +131,7 @@ def test_the_hook_moves_a_fresh_gradient_with_one_view_and_one_copy():
     n = len(list(ours_model.parameters()))
     assert ours - theirs == Counter({"aten::as_strided": n, "aten::copy_": n})
     assert not theirs - ours
+
 
 @needs_hooks
 def test_a_copied_optimizer_hooks_its_own_parameters():

@@ -421,7 +421,6 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-
 @lru_cache(maxsize=4096)
 def _contiguous_strides(shape) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape`` (as torch computes them: a dimension of size 0 counts as 1)."""
