@@ -213,6 +213,48 @@ def test_the_compiled_kernel_runs_a_large_quantized_buffer_in_chunks_where_it_wr
         assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
 
 
+@_COMPILED
+def test_the_compiled_8bit_kernel_returns_each_root_states_block_factor(monkeypatch):
+    """On the CPU the compiled 8-bit AdamW kernel returns, per fourth-root state, the factor every element of a
+    block is multiplied by before its roots (so that inductor computes it once per block, not at every vector of
+    16 elements: quant.encode_), equal to its definition from the new block maxima, in float32:
+    ``1 / (absmax / divisor + 2**-126)`` for the signed first moment, its square root for the second."""
+    import numpy as np
+
+    from dml_optim.backends import compiled
+
+    returned, real = [], compiled.kernel
+
+    def recording(key):
+        fn = real(key)
+
+        def call(*args):
+            out = fn(*args)
+            returned.append(out)
+            return out
+
+        call._dml_code = fn._dml_code
+        return call
+
+    monkeypatch.setattr(compiled, "kernel", recording)
+    p = torch.nn.Parameter(torch.randn(33 * 256 - 50, generator=torch.Generator().manual_seed(0)))
+    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 1e-2
+    opt = dml_optim.AdamW([p], lr=1e-3, state_bits=8, backend="compiled")
+    opt.step()
+    assert opt.flat_buffers()[0].backend == "compiled" and len(returned) == 1
+    states = dict(opt.flat_buffers()[0].states)
+    factors = returned[0]
+    assert len(factors) == 2
+    for factor, name in zip(factors, ("exp_avg", "exp_avg_sq")):
+        s = states[name]
+        assert s.format.kind == "root" and s.format.signed == (name == "exp_avg")
+        absmax = s.scales.numpy().astype(np.float32)
+        want = np.float32(1) / (absmax * np.float32(1 / s.format.divisor) + np.float32(2.0**-126))
+        if not s.format.signed:
+            want = np.sqrt(want)
+        torch.testing.assert_close(factor.reshape(-1), torch.from_numpy(want), rtol=1e-6, atol=0)
+
+
 _PEAK_CHILD = """
 import gc, torch, dml_optim
 from dml_optim.backends import eager

@@ -45,7 +45,7 @@ SOURCES = {
     "audit": "bench/results/audit-2026-11-28.json",
     "cpu": "bench/results/cpu-2026-11-29-2.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
-    "lowbit": "bench/results/cpu-lowbit-2026-11-29-one-call-1.json",
+    "lowbit": "bench/results/cpu-lowbit-2026-11-29-factors-1.json",
     "memory": "bench/results/memory-2026-11-29.json",
     "fits": "bench/results/fits-2026-11-29.json",
 }

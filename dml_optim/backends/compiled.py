@@ -125,8 +125,9 @@ def kernel(key: KernelKey | MaskedKey):
             cls, structure_dict, names, cdtype = key.cls, dict(key.structure), key.names, key.compute_dtype
             gated, has_out, has_comp, formats, has_valid = key.gated, key.has_out, key.has_comp, key.formats, key.has_valid
 
-            def step(*tensors):
-                fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, formats, has_valid, *tensors)
+            def step(*tensors):  # (what it returns is computed once per block: quant.encode_)
+                return fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, formats, has_valid,
+                                  *tensors)
 
         raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
         options = _options(key.device)

@@ -170,7 +170,7 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
              scratch: Sequence[torch.Tensor | None] = (), fused: bool = False,
              valid: torch.Tensor | None = None, index: torch.Tensor | None = None,
              small: torch.Tensor | None = None, pad: torch.Tensor | None = None,
-             rounding: StochasticRounder | None = None) -> None:
+             rounding: StochasticRounder | None = None) -> list[torch.Tensor]:
     """Apply ``cls.rule`` to one range, in place on ``x`` and ``states``.
 
     ``x``: the values the rule updates (the parameters, or their FP32 master
@@ -195,6 +195,7 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     parameters (0 in a signed state; the smallest level of an unsigned one, below the block's maximum).
     ``rounding``: the parameters (float16/bfloat16, the rule in FP32) are written stochastically
     (:func:`dml_optim.core.rounding.write_rounded`; eager only), else to the nearest value.
+    Returns the quantized states' encoder factors a compiled kernel returns (:func:`fused_step`), else ``[]``.
     """
     pool = iter(buffers) if buffers is not None else None
 
@@ -227,9 +228,12 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
         xs.view(-1).scatter_(0, pad, 0.0)
     # (the signed ``root`` encoder's work: the decoder's index, free once every state is decoded)
     work = index.view(compute_dtype) if index is not None and compute_dtype.itemsize == 4 else None
+    returned = []  # (a compiled kernel returns the encoders' per-block factors: quant.encode_ says why)
     for s, c in zip(states, ss):
         if isinstance(s, QuantizedState):
-            s.encode_(c, mask, small=small, work=work, overwrite=not fused)
+            factor = s.encode_(c, mask, small=small, work=work, overwrite=not fused)
+            if factor is not None:
+                returned.append(factor)
         elif c is not s:
             s.copy_(c)
     if comp is not None:
@@ -251,11 +255,12 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
         write_rounded(xs, x, None if fused else rounding)
     if params_out is not None:
         params_out.copy_(x)
+    return returned
 
 
 def fused_step(cls, structure: Mapping[str, Any], names: Sequence[str], compute_dtype: torch.dtype, gated: bool,
                has_out: bool, has_comp: bool, formats: Sequence[str | None], has_valid: bool,
-               *tensors: torch.Tensor) -> None:
+               *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The whole step of one range as the compiled backend traces it (positional tensors only: a
     :class:`KernelKey`'s fields, then the tensors in :func:`operand_names`' order).
 
@@ -263,7 +268,8 @@ def fused_step(cls, structure: Mapping[str, Any], names: Sequence[str], compute_
     tensors: codes and scales; ``valid`` then gives the padding of an aligned layout).  ``structure``
     holds the class's structural hyperparameter values (mode, flags, exact zeros), which reach the rule
     as Python values.  The step counter ``T`` (completed steps) is advanced inside the graph, by 1 or by
-    ``finite``.
+    ``finite``.  Returns the encoders' per-block factors (:func:`dml_optim.core.quant.encode_`: returned, they
+    are computed once per block); the caller drops them.
     """
     given = dict(zip(operand_names(formats, has_out, has_comp, has_valid, gated, names), tensors))
     states = [given[f"state{i}"] if fmt is None else
@@ -273,10 +279,11 @@ def fused_step(cls, structure: Mapping[str, Any], names: Sequence[str], compute_
     hyper = {n: given[f"hyper.{n}"] for n in names}
     hyper.update(structure)
     scalars = step_scalars(cls, hyper, T, finite, coefficient_dtype(x.device, compute_dtype))
-    run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite,
-             params_out=given.get("params_out"), comp=given.get("comp"), fused=True,
-             scratch=(None,) * cls.scratch_slots, valid=given.get("valid"))
+    returned = run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite,
+                        params_out=given.get("params_out"), comp=given.get("comp"), fused=True,
+                        scratch=(None,) * cls.scratch_slots, valid=given.get("valid"))
     T.add_(finite.to(T.dtype) if finite is not None else 1)
+    return tuple(returned)
 
 
 def masked_scalars(cls, hyper: Mapping[str, Any], by_count: Mapping[int, dict[str, Any]], counts: Sequence[int | None],
