@@ -218,7 +218,8 @@ def test_the_compiled_8bit_kernel_returns_each_root_states_block_factor(monkeypa
     """On the CPU the compiled 8-bit AdamW kernel returns, per fourth-root state, the factor every element of a
     block is multiplied by before its roots (so that inductor computes it once per block, not at every vector of
     16 elements: quant.encode_), equal to its definition from the new block maxima, in float32:
-    ``1 / (absmax / divisor + 2**-126)`` for the signed first moment, its square root for the second."""
+    ``1 / (absmax / divisor + 2**-126)`` for the signed first moment, its square root for the second; then the
+    step's scalars (0-d)."""
     import numpy as np
 
     from dml_optim.backends import compiled
@@ -243,8 +244,8 @@ def test_the_compiled_8bit_kernel_returns_each_root_states_block_factor(monkeypa
     opt.step()
     assert opt.flat_buffers()[0].backend == "compiled" and len(returned) == 1
     states = dict(opt.flat_buffers()[0].states)
-    factors = returned[0]
-    assert len(factors) == 2
+    factors, scalars = returned[0][:2], returned[0][2:]
+    assert [f.shape for f in factors] == [(33, 1)] * 2 and scalars and all(t.dim() == 0 for t in scalars)
     for factor, name in zip(factors, ("exp_avg", "exp_avg_sq")):
         s = states[name]
         assert s.format.kind == "root" and s.format.signed == (name == "exp_avg")
