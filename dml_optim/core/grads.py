@@ -25,12 +25,12 @@ import sys
 import warnings
 import weakref
 from itertools import repeat
-from functools import lru_cache, partial
+from functools import partial
 from typing import Sequence
 
 import torch
 
-from dml_optim.core.packing import local_tensor
+from dml_optim.core.packing import contiguous_strides, local_tensor
 
 __all__ = ["GradientsMixin", "ZERO_RUNS", "HOOKS_AVAILABLE", "held_elsewhere", "zero_in_place"]
 
@@ -207,7 +207,7 @@ class GradientsMixin:
         if view is None or view.data_ptr() != self.grad.data_ptr() + a * self.grad.element_size():
             # (none yet, or its .data was re-bound away: model.to() does that to the gradients it finds)
             shape = self.shapes[i]  # (one view op, not a slice and a view: the hook makes one per fresh gradient)
-            view = self.grad.as_strided(shape, _contiguous_strides(shape), self.grad.storage_offset() + a)
+            view = self.grad.as_strided(shape, contiguous_strides(shape), self.grad.storage_offset() + a)
             self.grad_refs[i] = weakref.ref(view)
         return view
 
@@ -419,16 +419,6 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append((i, i + 1))
     return runs
-
-
-@lru_cache(maxsize=4096)
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (as torch computes them: a dimension of size 0 counts as 1)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _storage(t: torch.Tensor) -> int:

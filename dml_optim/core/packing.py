@@ -6,16 +6,29 @@
   buffers and named in errors;
 * :func:`pack_values`: many tensors copied into one new flat tensor with a
   bounded memory peak (each source re-pointed at its slice as soon as it is
-  filled), optionally staged through host memory, and undone on failure.
+  filled), optionally staged through host memory, and undone on failure;
+* :func:`contiguous_strides`: the strides of a packed (row-major) shape.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import torch
 
-__all__ = ["is_distributed", "local_tensor", "group_key", "describe_param", "pack_values"]
+__all__ = ["is_distributed", "local_tensor", "group_key", "describe_param", "pack_values", "contiguous_strides"]
+
+
+@lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a packed tensor of ``shape`` (a tuple), as torch computes them: a dimension of
+    size 0 counts as 1.  Cached: a gradient hook makes a view of this shape for every fresh gradient."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 # -- distributed tensors ------------------------------------------------------------

@@ -38,6 +38,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from dml_optim.core.packing import contiguous_strides
+
 __all__ = [
     "DATA_TYPES",
     "ELEMENT_SIZES",
@@ -303,11 +305,8 @@ def calc_buffer_tensor_size(data_type: str, sizes: Sequence[int], strides: Seque
 
 
 def packed_strides(sizes: Sequence[int]) -> list[int]:
-    """Row-major strides in elements of packed ``sizes`` (what ``Strides: null`` means)."""
-    strides = [1] * len(sizes)
-    for i in range(len(sizes) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(sizes[i + 1], 1)
-    return strides
+    """Row-major strides in elements of packed ``sizes`` (what ``Strides: null`` means; a size of 0 counts as 1)."""
+    return list(contiguous_strides(tuple(sizes)))
 
 
 # ---------------------------------------------------------------------------
