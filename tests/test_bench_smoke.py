@@ -618,6 +618,42 @@ def test_the_none_pattern_row_at_its_quick_size(monkeypatch):
     assert rec["auto_runs"] == "fused"  # what dml_optim auto ran, changing
 
 
+def test_the_loop_rows_at_their_quick_size():
+    """The loops people run, quick sizes, one sample each: a CPU record per loop of a model, torch fused's time over
+    ours from the rows' rounds; DirectML's path: every candidate's row, each ratio from its rows' rounds, and the floor
+    of an exact default check (the ``checks="refs"`` step plus the reads an exact check makes) above the refs ratio."""
+    from dml_optim.benchmark import loops, report
+    from dml_optim.benchmark.timing import paired_ratio
+
+    recs = loops.measure_loops("few-large", _ONE_SAMPLE, lambda m: None, quick=True)
+    assert [r["loop"] for r in recs] == list(loops.LOOPS)
+    for rec in recs:
+        rows = {r["candidate"]: r for r in rec["rows"]}
+        assert set(rows) == {"dml_optim", "torch fused"} and rec["tensors"] == 4 and rec["parameters"] == 4 * 4096
+        median, q1, q3 = paired_ratio(rows["torch fused"]["round_ms"], rows["dml_optim"]["round_ms"])
+        assert rec["ratio_fused_to_ours"] == median and rec["spread_fused_to_ours"] == [q1, q3]
+    eager = loops.measure_eager_loops(_ONE_SAMPLE, lambda m: None, quick=True)
+    rows = {r["candidate"]: r["round_ms"][0] for r in eager["rows"]}
+    assert set(rows) == {"eager, 1 tensor", "eager, 1 tensor, lr changing", "eager, 200 tensors",
+                         "eager, 200 tensors, lr changing", "eager, 200 tensors, checks=refs", "torch for-loop, 1 tensor",
+                         "reads of an exact check, 200 tensors"}
+    one, refs, reads = rows["eager, 1 tensor"], rows["eager, 200 tensors, checks=refs"], rows[
+        "reads of an exact check, 200 tensors"]
+    assert eager["ratio_many"] == rows["eager, 200 tensors"] / one and eager["ratio_many_refs"] == refs / one
+    assert eager["ratio_many_floor"] == (refs + reads) / one > eager["ratio_many_refs"]
+    assert eager["ratio_lr_change"] == rows["eager, 1 tensor, lr changing"] / one
+    assert eager["ratio_to_forloop"] == one / rows["torch for-loop, 1 tensor"]
+    assert [(r["model"], r["loop"]) for r in eager["loops"]] == [(m, l) for m in loops.MODELS for l in loops.LOOPS]
+    targets = loops.loop_targets({"loops": recs, "loops_eager": [eager]})
+    assert [t["target"] for t in targets] == [
+        *(f"loop few-large {l}: >= 1.0x torch fused" for l in loops.LOOPS),
+        "eager steady step, 1 tensor: <= 1.2x torch's for-loop AdamW", "eager step with a new lr: <= 1.2x a steady step",
+        "eager steady step, 200 tensors: <= 3.0x one tensor"]
+    assert [t["measured"] for t in targets[3:]] == [eager["ratio_to_forloop"], eager["ratio_lr_change"], eager["ratio_many"]]
+    table = "\n".join(report.eager_loops_table({"loops_eager": [eager]}))
+    assert "| reads of an exact check, 200 tensors |" in table and "the least an exact default reaches here" in table
+
+
 def test_the_construction_row_at_its_quick_size():
     rec = construction.measure_construction("adamw", torch.device("cpu"), torch.float32, lambda m: None, quick=True)
     assert rec["workload"] == "linear-16x64" and rec["tensors"] == 32 and rec["elements"] == 16 * (64 * 64 + 64)

@@ -45,7 +45,7 @@ def test_every_backend_implements_the_interface(name):
     assert backend.name == name
     p = torch.nn.Parameter(torch.randn(8))
     opt = dml_optim.AdamW([p], lr=1e-3)
-    flat = opt._layout[0].buffers[0]
+    flat = opt.buffers_by_group()[0][1][0]
     reason = backend.supports(opt, opt.param_groups[0], flat)
     if name == "eager":
         assert reason is None
@@ -187,7 +187,7 @@ def test_the_eager_steady_call_equals_a_step_planned_from_scratch_under_every_ch
             assert torch.equal(p, q), f"step {step}"
         call = opts[0]._steady[0].plan.steady if opts[0]._steady else None
         if call is not None:  # (bound to the buffer's tensors of this step)
-            flat = opts[0]._layout[0].buffers[0]
+            flat = opts[0].buffers_by_group()[0][1][0]
             assert call[1][0] is flat.data and call[1][1] is flat.grad
             assert all(t is flat.states[n] for t, n in zip(call[1][2:], call[4]))
         repeated.append(buffers(opts[0])[0].repeated)
@@ -208,7 +208,7 @@ def test_the_eager_steady_call_binds_again_when_a_buffer_tensor_is_replaced():
         p.grad = torch.ones(16) if p.grad is None else p.grad.fill_(1.0)
         opt.step()
     assert buffers(opt)[0].repeated and opt._steady[0].plan.steady is not None
-    flat = opt._layout[0].buffers[0]
+    flat = opt.buffers_by_group()[0][1][0]
     old, new = flat.states["exp_avg"], flat.states["exp_avg"].clone()
     flat.states["exp_avg"] = new
     before = old.clone()

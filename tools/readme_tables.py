@@ -43,7 +43,7 @@ README = ROOT / "README.md"
 #: The committed documents the tables are written from (paths relative to the repository root).
 SOURCES = {
     "audit": "bench/results/audit-2026-11-28.json",
-    "cpu": "bench/results/cpu-2026-11-29-3.json",
+    "cpu": "bench/results/cpu-2026-11-29-4.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-29-factors-1.json",
     "memory": "bench/results/memory-2026-11-29.json",

@@ -24,7 +24,9 @@ AdamW: a steady step of one tensor beside ``torch.optim.AdamW(foreach=False)``'s
 tensor (at most :data:`EAGER_VS_FORLOOP_LIMIT`), a step whose lr changed beside a steady one (at most
 :data:`EAGER_LR_CHANGE_LIMIT`), 2,000 tensors beside one (at most :data:`EAGER_MANY_LIMIT`, default checks), and,
 for information, the same with ``checks="refs"`` (the default ``"full"`` reads every parameter's ``.grad`` and
-data pointer, about 0.1 us each in C: at 2,000 tensors those reads cost several steps of one tensor).
+data pointer, about 0.1 us each in C: at 2,000 tensors those reads cost several steps of one tensor) and the floor of
+any exact default: those reads alone (one ``.grad`` and one ``data_ptr()`` per parameter, two C-level passes, timed
+in the same rounds), added to the ``"refs"`` step, over one tensor (``ratio_many_floor``).
 Then, for information (the record's ``loops``), the three loops on DirectML's path with a real ``backward()``
 (:func:`measure_eager_backward_loops`: the same models' tensor counts, 16 elements each, so the iteration's time
 is host time; the hooks that move fresh gradients into the flat buffer run inside ``backward()``), beside torch
@@ -34,11 +36,14 @@ fused and torch's for-loop AdamW.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable
 
 import torch
 
 from dml_optim.benchmark.timing import paired_ratio, round_robin, wall_seconds
+
+_GRAD = operator.attrgetter("grad")
 
 __all__ = ["MODELS", "LOOPS", "VS_FUSED_LIMIT", "EAGER_VS_FORLOOP_LIMIT", "EAGER_LR_CHANGE_LIMIT", "EAGER_MANY_LIMIT",
            "model_shapes", "measure_loops", "measure_eager_loops", "measure_eager_backward_loops", "loop_targets"]
@@ -196,6 +201,19 @@ def measure_eager_backward_loops(settings: dict, log: Callable[[str], None], *,
     return records
 
 
+class _Reads:
+    """The reads an exact binding check of ``params`` cannot do without, alone: each parameter's ``.grad`` and
+    ``data_ptr()``, in two C-level passes (``checks="full"`` makes them beside its O(1) storage counts)."""
+
+    def __init__(self, params: list):
+        self.params = params
+
+    def step(self) -> None:
+        with torch._C.DisableTorchFunctionSubclass():  # (as the check reads them: no __torch_function__ lookup)
+            list(map(_GRAD, self.params))
+            list(map(torch.Tensor.data_ptr, self.params))
+
+
 class _Eager:
     """A steady AdamW step on DirectML's path (``backend="eager"``) or torch.optim's for-loop step, over
     ``n`` tensors of 16 elements; ``lr_change``: a new lr before every step."""
@@ -235,6 +253,7 @@ def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bo
 
     def measure():
         steppers = {name: _Eager(*args) for name, args in candidates.items()}
+        steppers[f"reads of an exact check, {many} tensors"] = _Reads(steppers[f"eager, {many} tensors"].params)
         for s in steppers.values():
             for _ in range(20):
                 s.step()
@@ -247,16 +266,21 @@ def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bo
     lr_change, lr_spread = _ratio(rows, "eager, 1 tensor, lr changing", "eager, 1 tensor")
     many_ratio, many_spread = _ratio(rows, f"eager, {many} tensors", "eager, 1 tensor")
     refs_ratio, refs_spread = _ratio(rows, f"eager, {many} tensors, checks=refs", "eager, 1 tensor")
+    floor_ratio, *floor_spread = paired_ratio(  # (round by round: the refs step and the reads, over one tensor)
+        list(map(operator.add, rows[f"eager, {many} tensors, checks=refs"]["round_ms"],
+                 rows[f"reads of an exact check, {many} tensors"]["round_ms"])), rows["eager, 1 tensor"]["round_ms"])
     record = {"optimizer": "adamw", "workload": "eager", "tensors_many": many, "elements_per_tensor": 16,
               "ratio_to_forloop": vs_loop, "spread_to_forloop": vs_loop_spread, "forloop_limit": EAGER_VS_FORLOOP_LIMIT,
               "ratio_lr_change": lr_change, "spread_lr_change": lr_spread, "lr_change_limit": EAGER_LR_CHANGE_LIMIT,
               "ratio_many": many_ratio, "spread_many": many_spread, "many_limit": EAGER_MANY_LIMIT,
               "ratio_many_refs": refs_ratio, "spread_many_refs": refs_spread,
+              "ratio_many_floor": floor_ratio, "spread_many_floor": floor_spread,
               "rows": list(rows.values()),
               "loops": measure_eager_backward_loops(loop_settings or settings, log, quick=quick)}
     log("  loops eager (host us per step): " + ", ".join(f"{k} {r['ms_per_step'] * 1e3:.1f}" for k, r in rows.items()))
     log(f"  loops eager: 1 tensor / torch for-loop {vs_loop:.2f}x, lr changing / steady {lr_change:.2f}x, "
-        f"{many} / 1 tensors {many_ratio:.2f}x ({refs_ratio:.2f}x with checks='refs')")
+        f"{many} / 1 tensors {many_ratio:.2f}x ({refs_ratio:.2f}x with checks='refs', {floor_ratio:.2f}x with 'refs' "
+        "and the reads of an exact check)")
     return record
 
 
