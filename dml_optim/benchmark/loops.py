@@ -43,10 +43,10 @@ import torch
 
 from dml_optim.benchmark.timing import paired_ratio, round_robin, wall_seconds
 
-_GRAD = operator.attrgetter("grad")
-
 __all__ = ["MODELS", "LOOPS", "VS_FUSED_LIMIT", "EAGER_VS_FORLOOP_LIMIT", "EAGER_LR_CHANGE_LIMIT", "EAGER_MANY_LIMIT",
            "model_shapes", "measure_loops", "measure_eager_loops", "measure_eager_backward_loops", "loop_targets"]
+
+_GRAD = operator.attrgetter("grad")
 
 #: torch fused's iteration time over dml_optim's, at least (every CPU loop row).
 VS_FUSED_LIMIT = 1.0

@@ -325,7 +325,7 @@ def eager_loops_table(doc: dict[str, Any], shown: set[str] | None = None) -> lis
                    targets(f"eager steady step, {many} tensors:")),
                   (f"{many} tensors / 1 tensor, checks=\"refs\" (information)",
                    ratio_cell(rec["ratio_many_refs"], rec.get("spread_many_refs")), [])]
-        if "ratio_many_floor" in rec:  # (documents from 2026-11-29 on)
+        if "ratio_many_floor" in rec:  # (documents from cpu-2026-11-29-4.json on)
             ratios.append((f"{many} tensors, checks=\"refs\" + the reads of an exact check (a .grad and a data_ptr() per "
                            "parameter) / 1 tensor (information: the least an exact default reaches here)",
                            ratio_cell(rec["ratio_many_floor"], rec.get("spread_many_floor")), []))
