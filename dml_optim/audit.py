@@ -42,13 +42,18 @@ Counting rules (what :class:`AuditReport` reports):
   ``host_ops``, not in ``ops``.  This rule is a statement about where
   torch.optim puts those tensors, not something the recording can observe
   when everything runs on one CPU.
-* **allocations**: outputs of an op whose storage did not exist before the
-  step (the storages of the parameters, gradients, states, flat buffers and
-  scratch of the optimizer are collected first) and is not one of the op's
-  inputs' storages (so in-place ops, ``out=`` ops and views do not count),
-  excluding empty tensors and 0-d CPU tensors (Python scalars wrapped by
-  torch).  ``peak_allocated_bytes``: the most of those alive at once (freed
-  when the step drops its last reference to the tensor an op returned).
+* **allocations**: the tensors the step's ops return new: the outputs the op's
+  schema does not alias to an argument (an in-place op's ``self``, an ``out=``
+  argument and a view are aliases; a functional op's result is new), excluding
+  empty tensors, 0-d CPU tensors (Python scalars wrapped by torch) and a result
+  that shares an argument's storage where the device has storages
+  (``_unsafe_view``, whose schema names no alias).  Decided from the schema, not
+  from storage addresses: the allocator may hand a new tensor the address of a
+  storage the step freed (the caller's first gradients, once they are moved into
+  the flat buffer), which an address comparison counted as old, by chance of
+  the allocator's placement; and a device without storages (DirectML) has no
+  address to compare.  ``peak_allocated_bytes``: the most of those alive at once
+  (freed when the step drops its last reference to the tensor an op returned).
 * **bytes moved** (memory traffic, what a bandwidth-bound device spends its
   time on): per op that does work, each *distinct* tensor it reads (an
   argument that is not an ``out=`` argument, counted once however often it
@@ -118,11 +123,11 @@ CPU_STEP_READS_NOTE = (
 # --------------------------------------------------------------------------
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return t.data_ptr()
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage, or None for a tensor without one (DirectML's, the stand-in's)."""
+    if not torch._C._has_storage(t):
+        return None
+    return t.untyped_storage().data_ptr()
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -153,10 +158,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _tensor_key(t: torch.Tensor) -> tuple:
     """What makes two tensor arguments the same operand: the same elements of the same memory."""
-    try:
-        ptr = t.data_ptr()
-    except (RuntimeError, NotImplementedError):  # (a tensor without storage: by identity)
-        ptr = id(t)
+    ptr = t.data_ptr() if torch._C._has_storage(t) else id(t)  # (a tensor without storage: by identity)
     return (ptr, t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
 
 
@@ -208,9 +210,8 @@ class _Recorder(OpRecorder):
     """The shared op recorder (:mod:`dml_optim.core.opcount`), plus what the audit needs: the
     storages of each op's first operand, foreach ops per tensor, and allocations."""
 
-    def __init__(self, known_storages: set[int]):
+    def __init__(self):
         super().__init__(compiled=False)
-        self.known = known_storages
         self.records: list[_Event] = []
         self.allocations = 0
         self.allocated_bytes = 0
@@ -231,22 +232,35 @@ class _Recorder(OpRecorder):
         read, written = (0, 0) if view else op_bytes(func, args, kwargs, out)
         self.records.append(_Event(name, count, tuple(_storage_ptr(t) for t in first), element, func, view,
                                    read, written))
-        self._count_allocations(args, kwargs, out)
+        self._count_allocations(func, args, kwargs, out)
 
-    def _count_allocations(self, args, kwargs, out) -> None:
-        inputs = {_storage_ptr(t) for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            if t.numel() == 0 or (t.dim() == 0 and t.device.type == "cpu"):
+    def _count_allocations(self, func, args, kwargs, out) -> None:
+        returns = func._schema.returns
+        if len(returns) == 1:
+            outs = (out,)
+        elif isinstance(out, (tuple, list)) and len(out) == len(returns):
+            outs = tuple(out)
+        else:  # (not the schema's shape: nothing to attribute)
+            return
+        inputs = None
+        for ret, value in zip(returns, outs):
+            if ret.alias_info is not None:  # (a view, an in-place self or an out= argument returned)
                 continue
-            ptr = _storage_ptr(t)
-            if ptr in self.known or ptr in inputs:
-                continue
-            self.allocations += 1
-            size = t.untyped_storage().nbytes()
-            self.allocated_bytes += size
-            self.live_bytes += size
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            weakref.finalize(t, self._freed, size)
+            for t in _tensors(value):
+                if t.numel() == 0 or (t.dim() == 0 and t.device.type == "cpu"):
+                    continue
+                ptr = _storage_ptr(t)
+                if ptr is not None:
+                    if inputs is None:
+                        inputs = {_storage_ptr(a) for a in _tensors((args, kwargs))}
+                    if ptr in inputs:  # (an unannotated alias: _unsafe_view)
+                        continue
+                self.allocations += 1
+                size = t.untyped_storage().nbytes() if ptr is not None else _nbytes(t)
+                self.allocated_bytes += size
+                self.live_bytes += size
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                weakref.finalize(t, self._freed, size)
 
     def _freed(self, size: int) -> None:
         self.live_bytes -= size
@@ -510,10 +524,8 @@ def audit_call(optimizer: torch.optim.Optimizer, fn: Callable[[], Any]) -> Audit
     _refuse_compiled(optimizer)
     if hasattr(optimizer, "_scratch_for_eager"):  # (a fused buffer runs the eager chain here: with its scratch)
         optimizer._scratch_for_eager()
-    # (storages only: a gradient held here at the step would read as held by the caller, and stay theirs)
-    known = {_storage_ptr(t) for t in _held_tensors(optimizer) if t.numel() > 0}
     counters_before = _cpu_step_counters(optimizer)
-    recorder = _Recorder(known)
+    recorder = _Recorder()
     with recorder:
         fn()
     counters = counters_before | _cpu_step_counters(optimizer)

@@ -12,6 +12,25 @@ settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_
 settings.register_profile("fuzz", max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The machine's vector width must decide no test (issue 47).  To run the suite as an AVX2 machine would, on an
+# AVX-512 one: ATEN_CPU_CAPABILITY=avx2 (torch's own kernels; read by torch itself) and DML_OPTIM_TEST_SIMDLEN=256
+# (inductor's compiled kernels, ``cpp.simdlen``, in this process; a test's subprocess compiles at the machine's
+# width).  docs/contributing.md lists the runs to make before a change lands.
+if os.environ.get("DML_OPTIM_TEST_SIMDLEN"):
+    import torch._inductor.config as _inductor_config
+
+    _inductor_config.cpp.simdlen = int(os.environ["DML_OPTIM_TEST_SIMDLEN"])
+
+
+def pytest_report_header(config):
+    """The machine the suite runs on: CPU model, vector extensions, threads, the widths set above."""
+    from dml_optim.benchmark.machine import cpu_summary
+
+    simdlen = os.environ.get("DML_OPTIM_TEST_SIMDLEN") or "the machine's"
+    aten = os.environ.get("ATEN_CPU_CAPABILITY") or "the machine's"
+    return [f"dml_optim tests on: {cpu_summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+            f"ATen kernels: {aten} width; inductor simdlen: {simdlen}"]
+
 
 def _flushes_subnormals() -> bool:
     """This thread flushes subnormal floats to zero (x86 FTZ/DAZ)."""

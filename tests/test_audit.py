@@ -337,6 +337,31 @@ def test_cli_audit_json_progress_goes_to_stderr(capsys):
     assert "audit: optimizer 2/2 (100%)" in captured.err
 
 
+def test_cli_audit_lays_the_step_out_as_directml_does(capsys):
+    """The command audits DirectML's layout of the step, not the CPU's it records on.
+
+    The bound of the eager scratch (docs/guide/memory.md, "Scratch"): 32 MiB or 0.5 bytes a parameter, whichever is
+    larger.  On DirectML a buffer whose full-size scratch would pass it steps in chunks, each chunk the whole op
+    chain; the CPU steps it in one call over a full-size scratch (chunks cost it time, and scratch is host memory).
+    One tensor of 10,485,760 float32 elements: a full-size AdamW scratch is 40 MiB, over the 32 MiB bound, so the
+    command must report a scratch within the bound and the op chain once per chunk, where a plain audit of the same
+    step on the CPU reports one call over a full-size scratch."""
+    assert main(["audit", "--optimizer", "adamw", "--model", "one-10m", "--json"]) == 0
+    ours = json.loads(capsys.readouterr().out)["ours"]
+    numel = ours["numel"]
+    bound = max(32 << 20, numel // 2)
+    assert numel == 10 << 20 and 0 < ours["scratch_bytes"] <= bound, ours["scratch_bytes"]
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(numel))
+    p.grad = torch.randn(numel)
+    opt = build("adamw", [p], backend="eager")
+    opt.step()
+    cpu = audit_step(opt)  # (recorded as the CPU lays it out: one call)
+    assert cpu.scratch_bytes > bound, cpu.scratch_bytes
+    assert ours["total_ops"] >= 2 * cpu.total_ops, (ours["total_ops"], cpu.total_ops)
+    assert ours["all_native"] and ours["allocations"] == 0
+
+
 def test_cli_audit_help_names_the_built_in_models(capsys):
     with pytest.raises(SystemExit):
         main(["audit", "--help"])

@@ -86,6 +86,51 @@ def test_equals_the_plain_step_bit_for_bit(name, run_bytes):
     assert all(p.grad is None for p in inside.parameters())
 
 
+def test_step_counts_of_several_runs_on_the_default_backend_follow_torch():
+    """The step counts under the step inside backward, checked against counts kept by other code: the test's own
+    (each parameter steps once per backward that reaches it) and torch.optim's.  The bit-for-bit tests above compare
+    with a plain step that runs the same counting code, so a count both get wrong passes there.
+
+    The CPU's default backend (``auto``: torch's fused kernel over each run), a model cut into two runs or more,
+    a side head used every other backward (its run steps at the end of backward with what it has), a scheduler.
+    A wrong count changes the bias correction (``1 - beta**t``), which moves a parameter by far more than the
+    tolerance: torch's for-loop AdamW and the fused kernel round differently, by a few float32 ulps a step, which
+    ``assert_close``'s float32 default (rtol 1.3e-6, atol 1e-5) holds over these 6 steps."""
+    dtype, d = torch.float32, 128  # (weights of 16k elements: runs of their own, not merged as small ones)
+    nets = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        nets.append(_Net(d))
+    ours_net, torch_net = nets
+    opt = build("adamw", list(ours_net.parameters()), lr=1e-2)
+    twin = torch.optim.AdamW(list(torch_net.parameters()), lr=1e-2, foreach=False)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1.0 + s)) for o in (opt, twin)]
+    handle = step_in_backward(opt, run_bytes=d * d * 4)
+    assert len(handle.runs) >= 2, [len(r.params) for r in handle.runs]
+    steps = 6
+    expected = {}
+    for i in range(steps):
+        side = i % 2 == 1
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(16, d, generator=g), torch.randn(16, 8, generator=g)
+        for net, o in ((ours_net, opt), (torch_net, twin)):
+            torch.nn.functional.mse_loss(net(x, side=side), y).backward()
+            if o is twin:
+                o.step()
+            o.zero_grad(set_to_none=True)
+        for name, _ in ours_net.named_parameters():
+            expected[name] = expected.get(name, 0) + (1 if side or not name.startswith("side.") else 0)
+        for s in scheds:
+            s.step()
+    assert handle.steps >= 2 * steps
+    names = [n for n, _ in ours_net.named_parameters()]
+    ours_state, torch_state = opt.state_dict()["state"], twin.state_dict()["state"]
+    for k, name in enumerate(names):
+        assert float(ours_state[k]["step"]) == expected[name] == float(torch_state[k]["step"]), name
+    for (name, p), q in zip(ours_net.named_parameters(), torch_net.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+
+
 def test_float64_frozen_parameters_and_runs():
     """float64 and a frozen first layer (no hook, never stepped); the runs cover the trainable parameters in
     the buffer's order, a bias joining the weight after it."""

@@ -105,6 +105,40 @@ def test_the_backend_is_decided_once_per_structural_change():
     assert buffers(opt)[0].decisions == 3
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tensor_lr_written_in_place_or_a_loaded_lr_makes_no_new_decision(backend):
+    """Two more ways a new ``lr`` reaches a step, neither a structural change: a tensor ``lr`` written in place
+    (``lr.fill_(x)``: a scheduler over a tensor lr) and a state dict loaded with another ``lr``.  Neither may
+    make a new backend decision (on ``auto`` that is a new compiled kernel or a lost fused path; only
+    ``decisions`` shows it), and the parameters follow torch.optim's with the same tensor lr, step for step."""
+    ours, theirs = _params(), _params()
+    lr, lr_twin = torch.tensor(1e-2), torch.tensor(1e-2)
+    opt = dml_optim.AdamW(ours, lr=lr, weight_decay=0.05, backend=backend)
+    twin = torch.optim.AdamW(theirs, lr=lr_twin, weight_decay=0.05, foreach=False)
+
+    def step(k):
+        for o, ps in ((opt, ours), (twin, theirs)):
+            for p, g in zip(ps, _grads(k)):
+                p.grad = g.clone()
+            o.step()
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p, q, msg=f"step {k}")
+
+    for k in range(6):
+        step(k)
+        for t in (lr, lr_twin):
+            t.fill_(1e-2 / (2.0 + k))
+    assert buffers(opt)[0].decisions == 1
+    state = opt.state_dict()
+    state["param_groups"][0]["lr"] = 3e-3
+    opt.load_state_dict(state)
+    twin.param_groups[0]["lr"] = torch.tensor(3e-3)
+    for k in range(6, 9):
+        step(k)
+    assert buffers(opt)[0].decisions == 1
+    assert buffers(opt)[0].backend == backend
+
+
 def _torch_twin(params, backend: str):
     if backend == "fused":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05, fused=True)

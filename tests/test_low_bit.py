@@ -608,9 +608,19 @@ def test_a_parameter_without_a_gradient_keeps_its_quantized_state(bits):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_clipping_loss_scaling_atomic_and_capturable_work_with_quantized_state(bits):
+    """The scaled, clipped, atomic, capturable run equals the plain run bit for bit when both compute the
+    step's coefficients the same way.
+
+    The reference is ``capturable=True`` too: a capturable step (and a step gated on a scaler's ``found_inf``)
+    computes its coefficients (``lr / (1 - beta1**t)``, ...) with float32 tensor ops on the device, a plain
+    one in Python's float64 on the host.  The two differ by about one float32 ulp, and near a decision
+    boundary of the quantizer one ulp of an update flips one 8-bit code: a parameter then differs by a code
+    step (2.3e-5 seen on an Intel Xeon VM, 0 on an AMD EPYC one), which no tolerance argued from float32
+    rounding covers.  The loss scale is a power of two, so scaling and unscaling are exact, and the clip
+    reads the same gradients: with the same coefficients every code is the same."""
     batches = _batches(4)
     ref_model, model = _model(), _model()
-    ref = _build("adamw", ref_model, bits)
+    ref = _build("adamw", ref_model, bits, capturable=True)
     opt = _build("adamw", model, bits, atomic=True, capturable=True)
     scaler = dml_optim.DynamicLossScaler(init_scale=2.0**8)
     for x, y in batches:
@@ -628,7 +638,9 @@ def test_clipping_loss_scaling_atomic_and_capturable_work_with_quantized_state(b
                 dml_optim.clip_grad_norm_(o, 1.0)
                 o.step()
     for p, q in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)  # the same codes up to the scaling's rounding
+        assert torch.equal(p, q)
+    for (_, a), (_, b) in zip(_quantized(opt), _quantized(ref)):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -810,12 +822,13 @@ def test_train_reaches_full_precision_accuracy_and_the_readme_says_so():
                       r"([\d.]+)% with `--state-bits 4`", readme)
     assert found, "the README no longer quotes the low-bit accuracies"
     fp32, bits8, bits4 = (float(v) for v in found.groups())
-    # FP32 runs torch's fused kernel: the same every run on one machine, but torch's CPU kernels round by the
-    # vector width they run with (90.2 on an AVX2 VM, the README's 90.0 on an AVX-512 one, same code).  A
-    # quantized buffer of the toy MLP is below the size from which ``auto`` compiles at once, so it tiers
-    # (eager, then compiled once its eager steps have taken a compile's time): where it switches depends on
-    # the machine's speed and load, and the low-bit accuracies moved by up to 0.5 points between runs on the
-    # 2-core VM (second codebook: 8-bit 89.7-90.2, 4-bit 89.6-89.8; third codebook, AVX-512: 8-bit 89.6, 4-bit 89.6;
-    # on the same VM with the backend fixed, seeds 0-2, the two codebooks' 8-bit runs are within 0.1 point on average).
-    assert abs(fp32 - 100 * acc[None]) <= 0.6, (fp32, acc)
-    assert abs(bits8 - 100 * acc[8]) <= 0.6 and abs(bits4 - 100 * acc[4]) <= 0.6, (bits8, bits4, acc)
+    # The README's figures are one machine's run, and they must make the claim themselves.
+    assert fp32 - bits8 <= 1.0 and fp32 - bits4 <= 2.0, (fp32, bits8, bits4)
+    # This machine's run is another rounding of the same training: torch's fused FP32 kernel and the compiled
+    # low-bit kernel round by the vector width they run with, and 1,000 steps carry one rounding difference into
+    # another trajectory.  Measured with the same code (seed 0, one thread): AMD EPYC Zen 4, AVX-512: 90.0 / 89.6 /
+    # 89.6; Intel Xeon, AVX-512: 90.0 / 89.7 / 90.3; the same Intel at AVX2 width (ATEN_CPU_CAPABILITY=avx2,
+    # inductor's cpp.simdlen=256): 89.9 / 89.6 / 90.3; an AVX2 VM's FP32: 90.2.  The widest spread is 0.7 points,
+    # so a figure more than 1.5 points from this machine's is a change of the job, not of the machine.
+    assert abs(fp32 - 100 * acc[None]) <= 1.5, (fp32, acc)
+    assert abs(bits8 - 100 * acc[8]) <= 1.5 and abs(bits4 - 100 * acc[4]) <= 1.5, (bits8, bits4, acc)
