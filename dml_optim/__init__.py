@@ -15,7 +15,7 @@ from dml_optim.core import functional
 from dml_optim.training.amp import DynamicLossScaler
 from dml_optim.training.backward import StepInBackward, step_in_backward
 from dml_optim.training.clip import clip_grad_norm_
-from dml_optim.dml.device import device
+from dml_optim.devices import device
 from dml_optim.optimizers import SGD, Adagrad, Adam, AdamW, DmlAdam, FlatOptimizer, Momentum
 from dml_optim.optimizers.registry import OPTIMIZERS
 

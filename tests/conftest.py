@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, settings
 
 # "ci" keeps the whole suite inside the CI budget; "fuzz" is the long maintainer run
 # (HYPOTHESIS_PROFILE=fuzz python -m pytest tests -k fuzz), see README.
-settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                          derandomize=True)  # (CI: the same examples every run; "fuzz" draws new ones)
 settings.register_profile("fuzz", max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -22,14 +23,28 @@ if os.environ.get("DML_OPTIM_TEST_SIMDLEN"):
     _inductor_config.cpp.simdlen = int(os.environ["DML_OPTIM_TEST_SIMDLEN"])
 
 
+def pytest_sessionstart(session):
+    """Load the stand-in DirectML device (``dml_optim.standin``) before any test runs, where it can be built.
+
+    As a DirectML user's process imports torch-directml before training, the stand-in must be registered
+    before the first ``backward()`` of the process: PyTorch's autograd engine sizes its device queues once, at
+    its first backward, by the devices registered then, and a PrivateUse1 device registered later has no queue
+    (an internal assert).  Where it cannot be built (no C++ compiler) its tests skip, saying why."""
+    from dml_optim import standin
+
+    session.config._standin = standin.available(load=True)
+
+
 def pytest_report_header(config):
-    """The machine the suite runs on: CPU model, vector extensions, threads, the widths set above."""
+    """The machine the suite runs on: CPU model, vector extensions, threads, the widths set above, the stand-in."""
     from dml_optim.benchmark.machine import cpu_summary
 
     simdlen = os.environ.get("DML_OPTIM_TEST_SIMDLEN") or "the machine's"
     aten = os.environ.get("ATEN_CPU_CAPABILITY") or "the machine's"
+    ok, why = getattr(config, "_standin", (False, "not loaded yet"))
     return [f"dml_optim tests on: {cpu_summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-            f"ATen kernels: {aten} width; inductor simdlen: {simdlen}"]
+            f"ATen kernels: {aten} width; inductor simdlen: {simdlen}",
+            f"stand-in DirectML device: {'loaded' if ok else 'unavailable'} ({why})"]
 
 
 def _flushes_subnormals() -> bool:

@@ -634,6 +634,13 @@ def test_the_loop_rows_at_their_quick_size():
         assert rec["ratio_fused_to_ours"] == median and rec["spread_fused_to_ours"] == [q1, q3]
     eager = loops.measure_eager_loops(_ONE_SAMPLE, lambda m: None, quick=True)
     rows = {r["candidate"]: r["round_ms"][0] for r in eager["rows"]}
+    from dml_optim import standin
+
+    if standin.available()[0]:  # DirectML's path on the stand-in device: its host time per step, 1 and 200 tensors
+        assert eager["ratio_many_standin"] == rows.pop("stand-in, 200 tensors") / rows["stand-in, 1 tensor"]
+        assert eager["ratio_standin_to_cpu"] == rows.pop("stand-in, 1 tensor") / rows["eager, 1 tensor"]
+    else:
+        assert eager["standin"].startswith("not measured: the stand-in DirectML device is unavailable here")
     assert set(rows) == {"eager, 1 tensor", "eager, 1 tensor, lr changing", "eager, 200 tensors",
                          "eager, 200 tensors, lr changing", "eager, 200 tensors, checks=refs", "torch for-loop, 1 tensor",
                          "reads of an exact check, 200 tensors"}

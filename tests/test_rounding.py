@@ -10,6 +10,7 @@ deviation ``sqrt(f (1 - f) / N)`` and the mean of the rounded values
 from __future__ import annotations
 
 import copy
+import io
 import math
 import re
 
@@ -18,7 +19,8 @@ import pytest
 import torch
 
 from dml_optim.core.opcount import OpRecorder
-from dml_optim.core.rounding import FORMATS, RoundingScratch, round_stochastic, round_stochastic_new
+from dml_optim.core.rounding import (FORMATS, Draws, RoundingScratch, counter_uniform, draw_key, round_stochastic,
+                                     round_stochastic_new)
 from dml_optim.dml.dispatch import Resolver
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -232,24 +234,28 @@ class _Ops(OpRecorder):
                                                  if isinstance(o, torch.Tensor) and o.dim() > 0]))
 
 
+@pytest.mark.parametrize("numbers", ["counter", "generator"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("whole", [True, False], ids=["scratch-of-the-size", "larger-scratch"])
-def test_every_op_is_native_on_directml_and_nothing_is_allocated(dtype, whole):
+def test_every_op_is_native_on_directml_and_nothing_is_allocated(dtype, whole, numbers):
     """The ops a call dispatches, resolved with torch-directml 0.2.5's dispatch table (composites through
-    their decompositions): all native (float16 is the format DirectML has; bfloat16 runs the same ops).
-    With a kept scratch every output is written into ``out`` or the scratch: no allocation."""
+    their decompositions): all native (float16 is the format DirectML has; bfloat16 runs the same ops), with
+    counter-based numbers (what an optimizer uses) or a generator's.  With a kept scratch every output is
+    written into ``out`` or the scratch: no allocation."""
     n = 4096
     x = torch.randn(n) * 3
     out = torch.empty(n, dtype=dtype)
     scratch = RoundingScratch(n if whole else 2 * n)
     rec = _Ops()
+    source = (dict(draws=Draws(7, 1, 5, 1000)) if numbers == "counter"
+              else dict(generator=torch.Generator().manual_seed(0)))
     with rec:
-        round_stochastic(x, out, generator=torch.Generator().manual_seed(0), scratch=scratch)
+        round_stochastic(x, out, scratch=scratch, **source)
     resolver = Resolver()
     kinds = {func.name(): resolver(func.name(), func, args, kwargs)[0] for func, args, kwargs, _ in rec.calls}
     assert kinds and all(k == "native" for k in kinds.values()), kinds
-    assert rec.ops == 28
-    own = {t.untyped_storage().data_ptr() for t in (x, out, *scratch.f32, *scratch.masks)}
+    assert rec.ops == (45 if numbers == "counter" else 28)
+    own = {t.untyped_storage().data_ptr() for t in (x, out, *scratch.f32, *scratch.masks, *scratch.ints)}
     for func, _, _, ptrs in rec.calls:
         assert set(ptrs) <= own, f"{func.name()} allocated"
 
@@ -329,6 +335,9 @@ def test_option_is_exact_where_representable(dtype):
 
 
 def test_option_is_reproducible_under_a_seed_and_resumes_from_state_dict():
+    """``torch.manual_seed`` before the optimizer is built fixes its seed; a checkpoint carries it
+    (``rounding_seed``), so a resumed run draws what the uninterrupted one draws, bit for bit, whatever the
+    process's seed then; without it the resumed run draws from its own seed."""
     dtype = torch.bfloat16
     delta = 0.3 * 2.0 ** -8
     a, b = _sgd_step(dtype, delta, "stochastic", seed=1), _sgd_step(dtype, delta, "stochastic", seed=1)
@@ -349,51 +358,70 @@ def test_option_is_reproducible_under_a_seed_and_resumes_from_state_dict():
     o1 = dml_optim.AdamW(m1.parameters(), lr=1e-3, rounding="stochastic")
     steps(m1, o1, range(2))
     saved = o1.state_dict()
-    assert "rounding_generators" in saved["dml_optim"]
+    assert saved["dml_optim"]["rounding_seed"] == 3
+    saved = torch.load(_saved(saved), weights_only=True)  # (the seed is a plain int: weights_only loads it)
     m2, m3 = model(), model()
     m2.load_state_dict(m1.state_dict())
     m3.load_state_dict(m1.state_dict())
+    torch.manual_seed(99)  # (a resumed process seeds as it likes: the checkpoint's seed is the one drawn from)
     o2 = dml_optim.AdamW(m2.parameters(), lr=1e-3, rounding="stochastic")
     o2.load_state_dict(saved)
-    o3 = dml_optim.AdamW(m3.parameters(), lr=1e-3, rounding="stochastic")  # (the states, not the generator)
-    o3.load_state_dict({**saved, "dml_optim": {k: v for k, v in saved["dml_optim"].items()
-                                               if k != "rounding_generators"}})
+    o3 = dml_optim.AdamW(m3.parameters(), lr=1e-3, rounding="stochastic")  # (the states, not the seed)
+    o3.load_state_dict({**saved, "dml_optim": {k: v for k, v in saved["dml_optim"].items() if k != "rounding_seed"}})
     for m, o in ((m1, o1), (m2, o2), (m3, o3)):
         steps(m, o, range(2, 4))
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(m1.parameters(), m3.parameters()))
 
 
-@pytest.mark.parametrize("generators", [
-    {"cpu": torch.zeros(3, dtype=torch.uint8)},  # a state of the wrong size
-    {"cuda:0": torch.zeros(16, dtype=torch.uint8)} if not torch.cuda.is_available() else {"cpu": torch.zeros(5, dtype=torch.uint8)},
-], ids=["wrong-size", "a-device-this-machine-lacks"])
-def test_a_generator_state_that_cannot_be_restored_is_refused_before_anything_is_written(generators):
-    """A checkpoint whose rounding generator cannot be restored here (one saved on CUDA, loaded on a CPU-only
-    machine; a corrupt one) raises a ValueError naming it, and leaves the optimizer as it was (the states were
-    once written before the generator failed, with torch's own error)."""
+def _saved(state) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return buf
+
+
+def _sr_model_and_optimizer():
     torch.manual_seed(0)
     m = torch.nn.Linear(64, 64).to(torch.bfloat16)
     opt = dml_optim.AdamW(m.parameters(), lr=1e-3, rounding="stochastic", state_bits=8)
-    for i in range(3):
+    for _ in range(3):
         m(torch.randn(8, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+    return m, opt
+
+
+def test_a_bad_rounding_seed_is_refused_before_anything_is_written():
+    """A checkpoint whose ``rounding_seed`` is not an int raises a TypeError naming it, and leaves the optimizer
+    as it was."""
+    m, opt = _sr_model_and_optimizer()
     saved = opt.state_dict()
     m(torch.randn(8, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
     opt.step()  # (the optimizer moves on: the load below would take it back to step 3)
     params = [p.detach().clone() for p in m.parameters()]
     before = copy.deepcopy(opt.state_dict())
-    bad = {**saved, "dml_optim": {**saved["dml_optim"], "rounding_generators": generators}}
-    with pytest.raises(ValueError, match=r"rounding_generators.*" + re.escape(repr(next(iter(generators))))):
+    bad = {**saved, "dml_optim": {**saved["dml_optim"], "rounding_seed": "seven"}}
+    with pytest.raises(TypeError, match=r"\['rounding_seed'\]: the rounding seed must be an int, got str"):
         opt.load_state_dict(bad)
     after = opt.state_dict()
     assert float(after["state"][0]["step"]) == float(before["state"][0]["step"]) == 4.0
     for key in before["state"][0]:
         assert torch.equal(torch.as_tensor(after["state"][0][key]), torch.as_tensor(before["state"][0][key])), key
-    assert all(torch.equal(a, b) for a, b in zip(after["dml_optim"]["rounding_generators"].values(),
-                                                 before["dml_optim"]["rounding_generators"].values()))
+    assert after["dml_optim"]["rounding_seed"] == before["dml_optim"]["rounding_seed"]
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
+
+
+def test_a_checkpoint_with_the_old_generator_states_loads_and_says_it_cannot_continue_their_draws():
+    """A checkpoint of the dml_optim that drew from generators (``rounding_generators``) loads, states and all,
+    and warns once that the resumed run draws counter-based numbers from the current seed instead."""
+    m, opt = _sr_model_and_optimizer()
+    saved = opt.state_dict()
+    meta = {k: v for k, v in saved["dml_optim"].items() if k != "rounding_seed"}
+    old = {**saved, "dml_optim": {**meta, "rounding_generators": {"cpu": torch.Generator().get_state()}}}
+    with pytest.warns(UserWarning, match="rounding_generators.*draws from seed 0"):
+        opt.load_state_dict(old)
+    assert opt.state_dict()["dml_optim"]["rounding_seed"] == 0
 
 
 @pytest.mark.parametrize("options, match", [
@@ -413,3 +441,79 @@ def test_option_refusals_name_what_to_change(options, match):
         return
     with pytest.raises(ValueError, match=match):
         dml_optim.AdamW([p], rounding="stochastic", **options)
+
+
+# -- counter-based numbers (issue 48, item 4) ---------------------------------------------------------
+
+
+def _lowbias32_reference(seed: int, stream: int, count: int, start: int, n: int) -> np.ndarray:
+    """The numbers of :func:`counter_uniform`, transcribed from its definition in uint32 NumPy arithmetic
+    (wrapping multiplies, logical shifts): ``lowbias32(i * 0x9e3779b9 + key)``'s top 24 bits times 2**-24."""
+    key = np.uint32(draw_key(seed, stream, count) & 0xFFFFFFFF)
+    x = (np.arange(start, start + n, dtype=np.uint64) & 0xFFFFFFFF).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        x = x * np.uint32(0x9E3779B9) + key
+        x ^= x >> np.uint32(16)
+        x = x * np.uint32(0x21F0AAAD)
+        x ^= x >> np.uint32(15)
+        x = x * np.uint32(0x735A2D97)
+        x ^= x >> np.uint32(15)
+    return (x >> np.uint32(8)).astype(np.float64) * 2.0 ** -24
+
+
+@pytest.mark.parametrize("seed, stream, count, start", [
+    (0, 0, 0, 0), (123456789, 7, 42, 10**6), (2**40 + 5, 3, 10**6, 2**31 - 5000), (1, 2, 3, 2**32 - 1000)])
+def test_counter_numbers_are_the_hash_of_seed_stream_count_and_index(seed, stream, count, start):
+    """int32 torch ops (DirectML's native ones) compute exactly the uint32 hash, across 2**31 and 2**32."""
+    out = counter_uniform(torch.empty(20_000), Draws(seed, stream, count, start))
+    assert np.array_equal(out.numpy().astype(np.float64), _lowbias32_reference(seed, stream, count, start, 20_000))
+
+
+def test_counter_numbers_with_a_device_count_are_those_of_a_key_on_the_device():
+    """A count kept on the device (a 0-d tensor) keys the numbers without a host read: reproducible, and another
+    count gives other numbers."""
+    a = counter_uniform(torch.empty(4096), Draws(5, 1, torch.tensor(7), 0))
+    b = counter_uniform(torch.empty(4096), Draws(5, 1, torch.tensor(7), 0))
+    c = counter_uniform(torch.empty(4096), Draws(5, 1, torch.tensor(8), 0))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert bool(((a * 2**24) == (a * 2**24).floor()).all()) and 0 <= float(a.min()) and float(a.max()) < 1
+
+
+def test_counter_numbers_are_uniform_to_the_resolution_rounding_uses():
+    """10**6 numbers (one call, consecutive indices): multiples of 2**-24 in [0, 1); the counts in 2**16 equal
+    bins (float16's and bfloat16's fractions have 13 and 16 bits in their normal ranges) pass a chi-square test at
+    6 standard deviations, and every one of the 16 lowest bits the rounding compares is set half the time (within
+    5 binomial standard deviations)."""
+    n = 1 << 20
+    u = counter_uniform(torch.empty(n), Draws(2024, 3, 17, 5_000_000)).double()
+    k = (u * 2**24).long()
+    assert bool((k.double() == u * 2**24).all()) and int(k.min()) >= 0 and int(k.max()) < 2**24
+    bins = torch.bincount(k >> 8, minlength=1 << 16).double()
+    expected = n / (1 << 16)
+    chi2 = float(((bins - expected) ** 2 / expected).sum())
+    dof = (1 << 16) - 1
+    assert abs(chi2 - dof) <= 6 * math.sqrt(2 * dof), chi2
+    for bit in range(8, 24):
+        ones = int(((k >> bit) & 1).sum())
+        assert abs(ones - n / 2) <= 5 * math.sqrt(n / 4), (bit, ones)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rounding_with_counter_numbers_is_unbiased_over_a_million_draws(dtype):
+    """The mean rounding error (rounded - exact, in units in the last place) over 10**6 values at random
+    fractions, rounded with counter-based numbers, is within 3 standard errors of 0."""
+    n = 1 << 20
+    g = torch.Generator().manual_seed(1)
+    ulp = 2.0 ** -FORMATS[dtype].mantissa  # (the binade [1, 2))
+    x = 1.0 + torch.rand(n, generator=g, dtype=torch.float64) * (1 - ulp)
+    x = x.float()
+    out = round_stochastic_new(x, dtype, draws=Draws(11, 0, 3, 0))
+    err = (out.double() - x.double()) / ulp
+    assert bool(((err > -1) & (err < 1)).all())
+    se = float(err.std()) / math.sqrt(n)
+    assert abs(float(err.mean())) <= 3 * se, (float(err.mean()), se)
+
+
+def test_draws_and_a_generator_are_alternatives():
+    with pytest.raises(ValueError, match="draws .* or a generator, not both"):
+        round_stochastic_new(torch.ones(4), torch.float16, draws=Draws(0, 0, 0, 0), generator=torch.Generator())

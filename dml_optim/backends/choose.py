@@ -172,7 +172,7 @@ def _decide(opt, group, flat, rt) -> Decision:
     else:
         why_not_fused = f"backend={backend!r}"
     rule, masked = "eager", False
-    # (stochastic rounding draws from the optimizer's generator: the eager rule, DirectML's path, runs it)
+    # (stochastic rounding's counter-based numbers are the eager rule's: DirectML's path runs it)
     if backend != "eager" and _compiled.fell_back(opt) is None and group.get("rounding") != "stochastic":
         quantized = flat.bits is not None
         if resolve(backend, flat.device, flat.numel, quantized, rt.eager_s) == "compiled":

@@ -34,7 +34,8 @@ from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, StepRe
 from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, converts
 from dml_optim.core.options import CHUNK_ELEMENTS
 from dml_optim.core.quant import chunk_elements
-from dml_optim.core.update import (coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule,
+from dml_optim.core.packing import storage_less_device
+from dml_optim.core.update import (AS_DEVICE, coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule,
                                    step_scalars, storage_dtype)
 
 __all__ = ["EagerBackend", "BACKEND", "MASKED_DEVICES", "MIN_SCRATCH", "SCRATCH_PER_ELEMENT", "PLAIN_CHUNK_DEVICES",
@@ -59,6 +60,9 @@ SCRATCH_PER_ELEMENT = 0.5
 #: and the CPU steps a large FP32 buffer eagerly only when asked to (its default is torch's fused kernel).  Not
 #: CUDA either, unmeasured there (its eager path runs where compiling is unavailable).
 PLAIN_CHUNK_DEVICES = ("privateuseone",)
+#: Device types whose tensors have no storage (DirectML): a scratch tensor cannot serve as another dtype's through a
+#: dtype view there (:func:`scratch_layout`; the audit lays a CPU step out as DirectML's).
+OPAQUE_DEVICES = ("privateuseone",)
 
 #: The device type whose scratch policy :func:`scratch_layout` follows instead of the buffer's own (None: its own;
 #: :func:`laid_out_as`).
@@ -67,13 +71,15 @@ _LAYOUT_DEVICE: list[str | None] = [None]
 
 @contextlib.contextmanager
 def laid_out_as(device_type: str | None):
-    """Within it, buffers get the scratch layout of ``device_type`` (``"privateuseone"``: the audit records a CPU
-    step as DirectML lays it out); the layout is made at a buffer's first step, and kept."""
-    saved, _LAYOUT_DEVICE[0] = _LAYOUT_DEVICE[0], device_type
+    """Within it, buffers get the scratch layout of ``device_type`` and compute their on-device coefficients in its
+    dtype (``"privateuseone"``: the audit records a CPU step as DirectML lays it out and computes it, and a test
+    checks a run on the stand-in against the CPU's); the layout is made at a buffer's first step, and kept."""
+    saved = _LAYOUT_DEVICE[0], AS_DEVICE[0]
+    _LAYOUT_DEVICE[0] = AS_DEVICE[0] = device_type
     try:
         yield
     finally:
-        _LAYOUT_DEVICE[0] = saved
+        _LAYOUT_DEVICE[0], AS_DEVICE[0] = saved
 
 
 def several_counts(group, flat) -> bool:
@@ -142,7 +148,10 @@ def scratch_layout(opt, group, flat, gated: bool) -> tuple:
                 cdtype, count, [])
     if not flat.bits:
         return min(flat.numel, CHUNK_ELEMENTS), cdtype, count, []
-    shared = n_rule > 0 and itemsize >= 4  # the decoder's index fits in the rule's first scratch tensor
+    # the decoder's index fits in the rule's first scratch tensor, viewed as int32: not on a device without storage
+    # (DirectML: a dtype view reads the storage), which keeps it apart
+    device = _LAYOUT_DEVICE[0] or flat.device.type
+    shared = n_rule > 0 and itemsize >= 4 and device not in OPAQUE_DEVICES and not storage_less_device(flat.device)
     per_element = count * itemsize + (0 if shared else 4)
     divisor = itemsize / flat.align  # the encoder's divisor: one element per block
     size = min(flat.numel, chunk_elements(flat.numel, per_element, ops_per_chunk=0, align=flat.align,
@@ -357,7 +366,8 @@ def apply_class(request: StepRequest, update: ClassUpdate, plan: EagerPlan) -> N
             flat.counter.ensure_tensors(flat.device)
         scalars = step_scalars(cls, group, c.tensor, finite, coefficient_dtype(flat.device))
     start, end = flat.segment(c.first, c.stop)
-    apply_range(request, start, end, scalars, plan.scratch, plan.converts)
+    apply_range(request, start, end, scalars, plan.scratch, plan.converts,
+                count=c.count if c.count is not None else c.tensor)
     if c.tensor is not None:
         if c.count is not None and finite is None and not group["capturable"]:
             c.tensor = None  # the host count advances; a stale device mirror is dropped
@@ -365,9 +375,11 @@ def apply_class(request: StepRequest, update: ClassUpdate, plan: EagerPlan) -> N
             c.tensor.add_(finite.long() if finite is not None else 1)
 
 
-def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, convert: bool | None = None) -> None:
+def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, convert: bool | None = None,
+                count=None) -> None:
     """The rule over elements ``[start, end)`` of the buffer, chunked when operands are converted (``convert``:
-    :func:`~dml_optim.core.dtypes.converts`, when the caller knows it)."""
+    :func:`~dml_optim.core.dtypes.converts`, when the caller knows it).  ``count``: the range's step count (an
+    int, or its tensor on the device), which keys stochastic rounding's numbers with each element's index."""
     opt, group, flat, finite = request[:4]
     cls = type(opt)
     names = cls.group_state_names(group)
@@ -397,19 +409,21 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
     chunk = scratch[0].numel() if scratch and scratch[0].numel() else CHUNK_ELEMENTS
     index = small = None
     if flat.bits and conversions:  # quantized: the decoder's index, the encoder's divisor; padding zeroed by position
-        shared = bool(rule_scratch) and rule_scratch[0].element_size() >= 4  # (as scratch_layout made it)
+        shared = conversions[-1].dtype != torch.int32  # (as scratch_layout made it: no index of its own)
         n_conv = len(conversions) - (1 if shared else 2)
         small = conversions[n_conv]
         index = rule_scratch[0].view(torch.int32) if shared else conversions[n_conv + 1]
         conversions = conversions[:n_conv]
+    rounding = flat.rounding
     for a in range(start, end, chunk):
         b = min(a + chunk, end)
         k = b - a
+        key = rounding._replace(count=count, start=flat.draw_start(a, b)) if rounding is not None else None
         run_rule(cls, x[a:b], grad_range(flat, request.window, a, b), [flat.states[n][a:b] for n in names], scalars,
                  compute_dtype=cdtype, finite=finite, params_out=out[a:b] if out is not None else None,
                  comp=flat.kahan[a:b] if flat.kahan is not None else None,
                  valid=flat.block_valid(a, b) if not flat.bits else None,
                  buffers=[t[:k] for t in conversions] if conversions else None,
                  scratch=[s[:k] for s in rule_scratch] + [None] * (cls.scratch_slots - len(rule_scratch)),
-                 index=index, small=small[: k // flat.align] if small is not None else None, rounding=flat.rounding,
+                 index=index, small=small[: k // flat.align] if small is not None else None, rounding=key,
                  pad=padding_positions(flat, a, b) if flat.bits else None)

@@ -28,7 +28,7 @@ the method, the rows and the fields of the JSON document.  One module per job:
 * :mod:`~dml_optim.benchmark.report`: tables, summary, the JSON file;
 * :mod:`~dml_optim.benchmark.run`: the plan of a run and running it.
 
-May import: core, dml, backends, optimizers, training, precision, job, top.
+May import: core, dml, backends, optimizers, training, precision, job, standin, top.
 """
 
 from dml_optim.benchmark.candidates import CANDIDATES, OPTIMIZERS

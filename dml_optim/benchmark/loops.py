@@ -218,13 +218,13 @@ class _Eager:
     """A steady AdamW step on DirectML's path (``backend="eager"``) or torch.optim's for-loop step, over
     ``n`` tensors of 16 elements; ``lr_change``: a new lr before every step."""
 
-    def __init__(self, kind: str, n: int, lr_change: bool = False, checks: str = "full"):
+    def __init__(self, kind: str, n: int, lr_change: bool = False, checks: str = "full", device=None):
         import dml_optim
 
         gen = torch.Generator().manual_seed(n)
-        self.params = [torch.nn.Parameter(torch.randn(16, generator=gen)) for _ in range(n)]
+        self.params = [torch.nn.Parameter(torch.randn(16, generator=gen).to(device or "cpu")) for _ in range(n)]
         for p in self.params:
-            p.grad = torch.randn(16, generator=gen) * 1e-2
+            p.grad = (torch.randn(16, generator=gen) * 1e-2).to(device or "cpu")
         if kind == "torch for-loop":
             self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=False)
         else:
@@ -250,6 +250,14 @@ def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bo
                   f"eager, {many} tensors, lr changing": ("eager", many, True),
                   f"eager, {many} tensors, checks=refs": ("eager", many, False, "refs"),
                   "torch for-loop, 1 tensor": ("torch for-loop", 1, False)}
+
+    from dml_optim import standin
+
+    on_standin, why_not = standin.available(load=True)
+    if on_standin:  # (DirectML's semantics: no storage, so the binding checks read storage offsets)
+        dev = standin.device()
+        candidates.update({"stand-in, 1 tensor": ("eager", 1, False, "full", dev),
+                           f"stand-in, {many} tensors": ("eager", many, False, "full", dev)})
 
     def measure():
         steppers = {name: _Eager(*args) for name, args in candidates.items()}
@@ -277,6 +285,13 @@ def measure_eager_loops(settings: dict, log: Callable[[str], None], *, quick: bo
               "ratio_many_floor": floor_ratio, "spread_many_floor": floor_spread,
               "rows": list(rows.values()),
               "loops": measure_eager_backward_loops(loop_settings or settings, log, quick=quick)}
+    if on_standin:  # the host time of a step on the stand-in DirectML device (its dispatcher, not DirectML's)
+        record["ratio_many_standin"], record["spread_many_standin"] = _ratio(
+            rows, f"stand-in, {many} tensors", "stand-in, 1 tensor")
+        record["ratio_standin_to_cpu"], record["spread_standin_to_cpu"] = _ratio(
+            rows, "stand-in, 1 tensor", "eager, 1 tensor")
+    else:
+        record["standin"] = f"not measured: the stand-in DirectML device is unavailable here ({why_not})"
     log("  loops eager (host us per step): " + ", ".join(f"{k} {r['ms_per_step'] * 1e3:.1f}" for k, r in rows.items()))
     log(f"  loops eager: 1 tensor / torch for-loop {vs_loop:.2f}x, lr changing / steady {lr_change:.2f}x, "
         f"{many} / 1 tensors {many_ratio:.2f}x ({refs_ratio:.2f}x with checks='refs', {floor_ratio:.2f}x with 'refs' "

@@ -86,6 +86,10 @@ def add_parser(sub):
                    help="audit our step with 8-bit or 4-bit optimizer state (the torch.optim column stays FP32)")
     p.add_argument("--clip", action="store_true",
                    help="audit clip_grad_norm_(max_norm=1.0) instead of the step, ours vs torch.nn.utils'")
+    p.add_argument("--training", action="store_true",
+                   help="audit one training iteration of the main job's model (its forward and backward, then the "
+                        "step) instead of a step over --model's shapes; on the stand-in DirectML device "
+                        "(DML_OPTIM_STANDIN=1) the stand-in's own count of CPU fallbacks is printed beside the table's")
     p.set_defaults(run=run)
     return p
 
@@ -154,11 +158,81 @@ def _per(report, n: int) -> str:
     return f"{report.per_param(n):.2f}"
 
 
+def _training(kind: str, name: str, seed: int, state_bits: int | None) -> dict:
+    """One training iteration of the main job's MLP (forward, loss, backward; then the step), after one warm-up
+    iteration, recorded on :func:`dml_optim.devices.device` (the stand-in under ``DML_OPTIM_STANDIN=1``):
+    ``{"forward_backward": report, "step": report, "device": str, "standin": counts or None}``."""
+    import torch
+
+    from dml_optim.audit import audit_call, audit_step
+    from dml_optim.backends.eager import laid_out_as
+    from dml_optim.devices import device as best_device, fallback_counter
+    from dml_optim.job import toy
+    from dml_optim.optimizers.registry import build, torch_equivalent
+
+    dev = best_device()
+    model = toy.make_model(seed, toy.HIDDEN, device=dev)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, toy.NUM_FEATURES, generator=g).to(dev)
+    y = torch.randint(0, toy.NUM_CLASSES, (128,), generator=g).to(dev)
+    params = list(model.parameters())
+    opt = (build(name, params, backend="eager", state_bits=state_bits) if kind == "ours"
+           else torch_equivalent(name, params, foreach=True))
+
+    def forward_backward():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    with laid_out_as("privateuseone"):
+        forward_backward()
+        opt.step()  # (warm-up: states allocated)
+        counting = fallback_counter(dev)
+        fb = audit_call(opt, forward_backward)
+        fb.optimizer = f"forward + backward ({opt.__class__.__module__.split('.')[0]}.{type(opt).__name__})"
+        step = audit_step(opt)
+        counted = counting() if counting is not None else None
+    return {"forward_backward": fb, "step": step, "device": str(dev), "standin": counted}
+
+
+def _run_training(args) -> int:
+    runs = {kind: _training(kind, args.optimizer, args.seed, args.state_bits) for kind in ("ours", "torch")}
+    if args.json:
+        print(json.dumps({"model": "the main job's MLP", "optimizer": args.optimizer, "state_bits": args.state_bits,
+                          "audited": "training iteration", "device": runs["ours"]["device"],
+                          **{kind: {"forward_backward": r["forward_backward"].to_dict(), "step": r["step"].to_dict(),
+                                    "standin_fallbacks": r["standin"]} for kind, r in runs.items()}}, indent=2))
+        return 0
+    ours, theirs = runs["ours"], runs["torch"]
+    print(f"dml-optim audit --training: {args.optimizer} on the main job's MLP, on {ours['device']}; per training "
+          "iteration (forward, backward, step), as torch-directml 0.2.5 would run it (one warm-up iteration first):")
+    print(_row("", ours["step"].optimizer, theirs["step"].optimizer))
+    for phase, label in (("forward_backward", "forward+backward"), ("step", "step")):
+        a, b = ours[phase], theirs[phase]
+        print(_row(f"{label}: aten ops", a.total_ops, b.total_ops))
+        print(_row(f"{label}: CPU fallbacks", a.fallback_ops, b.fallback_ops))
+        print(_row(f"{label}: host syncs", a.host_syncs, b.host_syncs))
+    if ours["standin"] is not None:
+        total = [sum(r["standin"].values()) for r in (ours, theirs)]
+        print(_row("CPU fallbacks the stand-in ran", total[0], total[1]))
+    for kind, r in runs.items():
+        for phase in ("forward_backward", "step"):
+            for op, n in r[phase].fallbacks:
+                print(f"  {r['step'].optimizer if phase == 'step' else 'forward + backward'}: fallback {op} x{n}")
+        if r["standin"]:
+            print(f"  {r['step'].optimizer}, counted by the stand-in: "
+                  + ", ".join(f"{op} x{n}" for op, n in sorted(r["standin"].items())))
+    return 0
+
+
 def run(args) -> int:
     from dml_optim.console import Progress
 
     if args.top < 0:
         raise UsageError(f"--top: must be >= 0, got {args.top}")
+    if args.training:
+        if args.clip:
+            raise UsageError("--training: audits the step of a training iteration; --clip audits clipping alone")
+        return _run_training(args)
     model, shapes = _shapes(args.model)
     numel = sum(math.prod(s) for _, s in shapes)
     stream = sys.stderr if args.json else sys.stdout  # with --json, stdout carries only the JSON

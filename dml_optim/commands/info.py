@@ -27,7 +27,7 @@ def gather() -> dict:
     import torch
 
     import dml_optim
-    from dml_optim.dml.device import backend_status, device
+    from dml_optim.devices import backend_status, device
     from dml_optim.inventory import builtin_inventories, descriptors_dir, models_dir
 
     return {

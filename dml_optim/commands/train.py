@@ -131,6 +131,10 @@ def _rows(result: RunResult) -> list[tuple[str, str]]:
         ("DirectML CPU fallbacks per step", fallbacks),
         ("host syncs per step", syncs),
     ]
+    if result.directml_fallbacks is not None:  # (the stand-in: what really ran on the CPU, forward and backward too)
+        counted = result.directml_fallbacks
+        rows.append(("CPU fallbacks, whole run (stand-in)",
+                     ", ".join(f"{op} x{n}" for op, n in sorted(counted.items())) if counted else "0"))
     if result.skipped_steps is not None:
         rows.append(("steps skipped (inf/NaN grads)", str(result.skipped_steps)))
     if result.loss_scale is not None:
@@ -144,6 +148,8 @@ def format_header(header: dict) -> str:
     device = f"device: {header['device']}"
     if header["requested_device"] == "auto" and not header["directml"]["available"]:
         device += f" (not DirectML: {header['directml']['reason']})"
+    elif header["directml"]["available"] and header["device"].startswith("privateuseone"):
+        device += f" ({header['directml']['reason']})"
     return "\n".join([
         f"dml-optim train: {config['steps']} steps of {config['batch_size']} on the built-in "
         f"{header['num_classes']}-class spiral data ({header['n_train']} train / {header['n_test']} held-out), "
@@ -190,19 +196,23 @@ def run(args) -> int:
 
     from dml_optim.commands import UsageError
     from dml_optim.console import Progress
-    from dml_optim.dml.device import available
+    from dml_optim.devices import directml
     from dml_optim.job.train import resolve_device, train
 
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
         raise UsageError(f"--device: {exc}") from None
+    if device.type == "privateuseone" and args.dtype == "bfloat16":
+        raise UsageError(f"--dtype bfloat16: DirectML ({device}) has no bfloat16 (torch-directml ends the process on a "
+                         "bfloat16 tensor); use --dtype float16 --rounding stochastic (DirectML's half precision) or "
+                         "--dtype float32")
     if args.threads:
         torch.set_num_threads(args.threads)
     config = TrainConfig(optimizer=args.optimizer, lr=args.lr, steps=args.steps, batch_size=args.batch_size,
                          dtype=args.dtype, seed=args.seed, state_bits=args.state_bits,
                          rounding=args.rounding, step_in_backward=args.step_in_backward).validated()
-    dml_ok, dml_reason = available()
+    dml_ok, dml_reason, _ = directml()
     header = {
         "config": {"optimizer": config.optimizer, "lr": config.lr, "steps": config.steps,
                    "batch_size": config.batch_size, "dtype": config.dtype, "seed": config.seed,

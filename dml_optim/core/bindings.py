@@ -22,6 +22,12 @@ from dml_optim.core.grads import _FAST_ATTRIBUTES, _GRAD, _IS_NONE, _storage, he
 __all__ = ["Binding", "BindingsMixin"]
 
 _DATA_PTR = torch.Tensor.data_ptr
+_OFFSET = torch.Tensor.storage_offset
+#: :attr:`BindingsMixin.uses` of a buffer on a device without storage whose parameters were all verified bound is
+#: ``(_BOUND_OPAQUE, views)``, ``views`` the number of gradient views handed out then (no use count to record
+#: there: :meth:`BindingsMixin.check` compares identities and addresses, and counts the views still alive).
+_BOUND_OPAQUE = "bound, no storage"
+_IS_NOT_NONE = partial(operator.is_not, None)
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _SHAPE = operator.attrgetter("shape")
 _KIND = operator.attrgetter("dtype", "device", "layout")
@@ -59,6 +65,12 @@ class BindingsMixin:
 
     __slots__ = ()
 
+    @property
+    def addr(self):
+        """Where a tensor lies, as :attr:`ptrs` records it: ``Tensor.data_ptr`` (bytes), or on a device without
+        storage ``Tensor.storage_offset`` (elements; :func:`~dml_optim.core.packing.address`)."""
+        return _OFFSET if self.opaque else _DATA_PTR
+
     def _use_counts(self) -> tuple[int, int] | None:
         """How many tensors (and storage objects: ours adds one, constant) hold the storages of ``data``
         and ``grad`` now (None without ``torch._C._storage_Use_Count`` or a gradient buffer)."""
@@ -83,15 +95,22 @@ class BindingsMixin:
         holds its gradient view (the state :meth:`check` then recognizes without a diagnosis); else forget them.  The data
         storage's count alone is kept whenever every parameter is bound (gradients of their own, read in
         place, change the gradient count at every step; :meth:`moved` still answers from it under ``checks="refs"``)."""
-        countable = not self.staged and self.countable and _USE_COUNT is not None
-        self.data_uses = (self.data, _USE_COUNT(self._handles()[2])) if countable else None
+        if self.opaque:  # (no storage, no use count: the bound state alone, checked by identities and addresses)
+            self.data_uses = None
+            countable = not self.staged
+        else:
+            countable = not self.staged and self.countable and _USE_COUNT is not None
+            self.data_uses = (self.data, _USE_COUNT(self._handles()[2])) if countable else None
         bound = countable and self.grad is not None and not read_in_place
         if bound:  # every gradient its view, or None (a count cannot show a None turning into a tensor: kept apart)
             grads = list(map(_GRAD, self.params))
             ours = self._grads_ours()
             bound = any(ours) and all(o or g is None for o, g in zip(ours, grads))
             self.absent = tuple(p for p, g in zip(self.params, grads) if g is None) if bound else ()
-        self.uses = self._use_counts() if bound else None
+        if bound and self.opaque:
+            self.uses = (_BOUND_OPAQUE, len(self.params) - len(self.absent))
+        else:
+            self.uses = self._use_counts() if bound else None
 
     def check(self, mode: str) -> bool:
         """True when nothing about the bindings changed since the last step (the fast path).
@@ -104,6 +123,8 @@ class BindingsMixin:
         parameter by parameter.  ``"refs"`` stops there: O(1) whatever the number of parameters
         (a buffer of parameters whose class overrides ``.grad`` or ``.data`` in Python is checked as
         ``"full"``: such an attribute can answer what no count shows).
+        On a device without storage (:attr:`opaque`: DirectML) there is no count: every mode compares every
+        gradient's identity and address (its storage offset) and counts the gradient views still alive.
         ``"full"`` (the default) also compares every parameter's gradient identity and data pointer (two
         C-level passes), which sees what no count shows: a re-binding
         while the caller holds the old tensor (``grads = [p.grad ...]`` kept, then ``p.grad = None``;
@@ -111,24 +132,28 @@ class BindingsMixin:
         same buffer (``p1.data = p2.data``); ``"fast"`` compares the first and last parameter's.
         Staged buffers always re-read their shards (never in the recorded state: diagnosed every step).
         """
-        if self.uses is None or self._use_counts() != self.uses:
+        if self.uses is None or (not self.opaque and self._use_counts() != self.uses):
             return False
         if self.absent:  # (parameters without a gradient still without one: a fresh tensor shows in no count)
             with _FAST_ATTRIBUTES():
                 if not all(map(_IS_NONE, map(_GRAD, self.absent))):
                     return False
-        if mode == "refs" and self.countable:
+        if mode == "refs" and self.countable and not self.opaque:
             return True
-        params, refs = self.params, self.grad_refs
-        if mode != "fast":  # (identity, not ids: a view that died may leave its id to a new tensor)
+        params, refs, addr = self.params, self.grad_refs, self.addr
+        if mode != "fast" or self.opaque:  # (identity, not ids: a view that died may leave its id to a new tensor)
             views = [ref() if ref is not None else None for ref in refs]
+            # (no storage: no count drops when a view dies with its gradient, ``p.grad = None``; the views alive
+            # are counted instead, and every mode makes the full passes)
+            if self.opaque and sum(map(_IS_NOT_NONE, views)) != self.uses[1]:
+                return False
             with _FAST_ATTRIBUTES():  # nn.Parameter's __torch_function__ lookup halves these passes' speed
                 if not all(map(operator.is_, views, map(_GRAD, params))):
                     return False
-                return list(map(_DATA_PTR, params)) == self.ptrs
+                return list(map(addr, params)) == self.ptrs
         ends = (0, len(params) - 1)
         return all((refs[i]() if refs[i] is not None else None) is params[i].grad
-                   and params[i].data_ptr() == self.ptrs[i] for i in ends)
+                   and addr(params[i]) == self.ptrs[i] for i in ends)
 
     def moved(self, mode: str) -> bool:
         """Some parameter's ``.data`` may have left the buffer (``"refs"``: the data storage's use count,
@@ -139,22 +164,33 @@ class BindingsMixin:
         if mode == "refs" and recorded is not None and recorded[0] is self.data:
             if _USE_COUNT(self._handles()[2]) == recorded[1]:
                 return False
-        if mode != "fast":
+        addr = self.addr
+        if mode != "fast" or self.opaque:
             with _FAST_ATTRIBUTES():
-                return list(map(_DATA_PTR, self.params)) != self.ptrs
-        return any(self.params[i].data_ptr() != self.ptrs[i] for i in (0, len(self.params) - 1))
+                return list(map(addr, self.params)) != self.ptrs
+        return any(addr(self.params[i]) != self.ptrs[i] for i in (0, len(self.params) - 1))
 
     def rebound(self) -> list[int]:
         """Parameters whose ``.data`` no longer is their slice of the buffer."""
         if self.staged:
             return []
+        addr = self.addr
         with _FAST_ATTRIBUTES():  # (three C-level passes when nothing moved, the common case)
-            if (list(map(_DATA_PTR, self.params)) == self.ptrs and list(map(_SHAPE, self.params)) == self.shapes
-                    and all(map(_IS_CONTIGUOUS, self.params))):
+            if (list(map(addr, self.params)) == self.ptrs and list(map(_SHAPE, self.params)) == self.shapes
+                    and all(map(_IS_CONTIGUOUS, self.params)) and self._same_kind()):
                 return []
-        return [i for i, (p, a, b, shape) in enumerate(zip(self.params, map(_DATA_PTR, self.params), self.ptrs,
+        return [i for i, (p, a, b, shape) in enumerate(zip(self.params, map(addr, self.params), self.ptrs,
                                                               self.shapes))
-                if a != b or not p.is_contiguous() or p.shape != shape]  # (a reshape keeps the pointer)
+                if a != b or not p.is_contiguous() or p.shape != shape  # (a reshape keeps the pointer)
+                or (self.opaque and (p.dtype, p.device) != (self.dtype, self.device))]
+
+    def _same_kind(self) -> bool:
+        """Every parameter still has the buffer's dtype and device: on a device without storage an offset
+        does not say which tensor it is in (``model.half()`` gives a new one at the same offset), so
+        :meth:`rebound` compares these as well (elsewhere a pointer into the buffer implies them)."""
+        if not self.opaque:
+            return True
+        return set(map(_KIND, self.params)) == {(self.dtype, self.device, torch.strided)}
 
     def plain_grads(self, indices: Sequence[int], grads: Sequence | None = None) -> bool:
         """The gradients of parameters ``indices`` (``grads``: every parameter's ``.grad``, as read already) are
@@ -176,17 +212,15 @@ class BindingsMixin:
         if self.staged:
             return Binding(None if all(active) else active, [i for i, g in enumerate(grads) if g is not None], [], grads)
         rebound = self.rebound()  # (every pointer, shape and stride: a reshape in place keeps the use counts)
-        home = _storage(self.grad) if self.grad is not None else None
         # model.to() re-binds the .data of the gradient objects we handed out: those are foreign too
-        views = [ref() if ref is not None else None for ref in self.grad_refs]  # (identity first: no storage
-        foreign = [i for i, (g, view) in enumerate(zip(grads, views))  # is looked up for a gradient not ours)
-                   if g is not None and (g is not view or _storage(g) != home)]
+        ours = self._grads_ours()  # (identity first: no address is looked up for a gradient not ours)
+        foreign = [i for i, (g, o) in enumerate(zip(grads, ours)) if g is not None and not o]
         return Binding(None if all(active) else active, foreign, rebound, grads, held)
 
     def rebind_pointers(self) -> None:
         """Record the parameters' current data pointers as the bound ones (after a copy re-pointed them)."""
         if not self.staged:
-            self.ptrs = list(map(_DATA_PTR, self.params))
+            self.ptrs = list(map(self.addr, self.params))
 
     def adopt_params(self, moved: Sequence[int]) -> None:
         """Copy re-bound parameters (same dtype, device and shape) back into the buffer and re-point them.
@@ -199,7 +233,9 @@ class BindingsMixin:
         """
         if self._rebase(moved):
             return
-        storages = [_storage(self.params[i]) for i in moved]
+        if self.opaque:
+            self._refuse_opaque_bucket(moved)
+        storages = [_storage(self.params[i]) for i in moved] if not self.opaque else []
         if len(set(storages)) < len(storages):
             raise RuntimeError(
                 "parameters of this optimizer were re-bound into a shared buffer by another component "
@@ -214,11 +250,11 @@ class BindingsMixin:
                 a, b = self.span(i)
                 self.data[a:b].copy_(p.detach().reshape(-1))
                 p.data = self.data[a:b].view(p.shape)
-                self.ptrs[i] = p.data_ptr()
+                self.ptrs[i] = self.addr(p)
 
     def _rebase(self, moved: Sequence[int]) -> bool:
         """Make the storage all parameters were re-bound into the flat buffer, if they tile it in order."""
-        if len(moved) != len(self.params):
+        if len(moved) != len(self.params) or self.opaque:
             return False
         first = self.params[0]
         storage = first.untyped_storage()
@@ -232,4 +268,24 @@ class BindingsMixin:
         self.ptrs = list(map(_DATA_PTR, self.params))
         self.owned = False
         return True
+
+    def _refuse_opaque_bucket(self, moved: Sequence[int]) -> None:
+        """On a device without storage, refuse parameters re-bound into what looks like one shared buffer: every
+        parameter moved, each contiguous with its shape, at storage offsets that tile the buffer's layout in order
+        (what ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)`` makes).  There no tensor shows whether
+        two tensors share memory, so such a buffer can neither be adopted (it might be separate tensors) nor
+        copied back into ours (the other owner would read a stale buffer)."""
+        if len(moved) != len(self.params) or len(self.params) < 2:
+            return
+        params = self.params
+        base = params[0].storage_offset() - self.offsets[0]
+        if all(p.is_contiguous() and p.shape == shape and p.storage_offset() == base + offset
+               for p, shape, offset in zip(params, self.shapes, self.offsets)):
+            raise RuntimeError(
+                "parameters of this optimizer were re-bound to consecutive slices of what looks like one shared "
+                "buffer (as ZeroRedundancyOptimizer(parameters_as_bucket_view=True) does) on a device whose tensors "
+                f"have no storage ({self.device}: DirectML): there dml_optim cannot tell whether they share memory, "
+                "so it can neither adopt that buffer nor copy them back without leaving it stale. Give the "
+                "parameters back tensors of their own (p.data = p.detach().clone()), or re-build the optimizer "
+                "over them")
 

@@ -20,9 +20,14 @@ from typing import Any
 import torch
 
 from dml_optim.core.options import LOW_PRECISION_DTYPES
+from dml_optim.core.packing import describe_param, local_tensor
 
 __all__ = ["PRECISION_OPTIONS", "precision", "state_dtype", "compute_dtype", "widened", "master_dtype", "converts",
-           "dtype_limit", "check_step_limit", "check_range"]
+           "dtype_limit", "check_step_limit", "check_range", "check_directml_dtypes", "DIRECTML_HALF"]
+
+#: What DirectML's half precision is, for the messages that refuse bfloat16 there.
+DIRECTML_HALF = ('float16 parameters with rounding="stochastic" (DirectML\'s half-precision format, for the memory '
+                 'bfloat16 would save), or float32')
 
 #: The options :func:`precision` reads, in its order (the states are allocated for these).
 PRECISION_OPTIONS = ("state_dtype", "compute_dtype", "master_weights", "kahan", "state_bits", "rounding")
@@ -102,3 +107,22 @@ def check_range(group, flat, scalars: dict[str, Any], cdtype: torch.dtype | None
         if isinstance(value, float) and abs(value) > limit:
             raise ValueError(f"{name}={value!r} (from the hyperparameters of this param group) is beyond the "
                              f"range of {cdtype} (max {limit:g}); nothing was updated")
+
+
+def check_directml_dtypes(group, gi: int) -> None:
+    """DirectML has no bfloat16 (torch-directml ends the process on a bfloat16 tensor): a group whose parameters
+    are on a DirectML device (``privateuseone``) may neither hold bfloat16 parameters nor ask for bfloat16 states or
+    arithmetic; ``ValueError`` naming the parameter or the option and the float16 alternative, before anything is
+    allocated."""
+    on = [(i, p) for i, p in enumerate(group["params"]) if local_tensor(p).device.type == "privateuseone"]
+    if not on:
+        return
+    for i, p in on:
+        if p.dtype == torch.bfloat16:
+            raise ValueError(f"DirectML has no bfloat16, got a bfloat16 parameter ({describe_param(p, i, gi)}): "
+                             f"use {DIRECTML_HALF}")
+    for option in ("state_dtype", "compute_dtype"):
+        if group.get(option) == torch.bfloat16:
+            raise ValueError(f"{option}=torch.bfloat16: DirectML has no bfloat16 (the parameters are on "
+                             f"{local_tensor(on[0][1]).device}; torch-directml ends the process on a bfloat16 tensor): use "
+                             f"{option}=torch.float16 or torch.float32, and {DIRECTML_HALF}")

@@ -50,7 +50,8 @@ import torch
 
 from dml_optim.core.bindings import _DATA_PTR, _IS_CONTIGUOUS, _TENSOR_DATA, _TENSOR_GRAD, Binding, BindingsMixin
 from dml_optim.core.grads import _FAST_ATTRIBUTES, _GRAD, ZERO_RUNS, GradientsMixin, _runs, _storage
-from dml_optim.core.packing import describe_param, group_key, is_distributed, local_tensor, pack_values
+from dml_optim.core.packing import (describe_param, flat_tensor, group_key, is_distributed, local_tensor,
+                                    pack_values, storage_less)
 from dml_optim.core.quant import BLOCK, QuantizedState, block_mask
 from dml_optim.core.steps import StepCounter
 
@@ -84,7 +85,12 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
             the count of tensors holding ``grad``'s storage drops when a gradient is re-bound.
         uses: the counts of tensors holding the storages of ``data`` and ``grad`` when every parameter was
             last verified bound to the buffer with its gradient (None: not in that state; see :meth:`check`).
-        ptrs: ``p.data_ptr()`` of each parameter when last bound (binding checks).
+        ptrs: each parameter's address when last bound (binding checks): ``p.data_ptr()``, or on a device without
+            storage ``p.storage_offset()`` (:attr:`opaque`).
+        opaque: the buffer's device has no storage (DirectML): addresses are storage offsets, flat parameter and
+            gradient tensors start at offsets of their own into tensors of their own
+            (:func:`~dml_optim.core.packing.flat_tensor`), and the binding checks compare identities and addresses
+            (no use counts).
         states: flat state buffers by name (allocated by the optimizer at its first step): tensors,
             or :class:`~dml_optim.core.quant.QuantizedState` in a quantized buffer.
         master: the FP32 master copy of the parameters (``master_weights=True``) or None.
@@ -98,12 +104,13 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
             (:meth:`hook_grads`; None: not hooked yet).
         adopt: the hooks move fresh gradients in (False where the buffer runs torch's fused kernel, which
             reads them where they are; the optimizer sets it).
-        rounding: the :class:`~dml_optim.core.rounding.StochasticRounder` that writes the updated float16/bfloat16
-            parameters (``rounding="stochastic"``; None: to the nearest value; the optimizer sets it).
+        rounding: the :class:`~dml_optim.core.rounding.RoundingKey` (a stochastic rounder and this buffer's stream)
+            that writes the updated float16/bfloat16 parameters (``rounding="stochastic"``; None: to the nearest
+            value; the optimizer sets it).
     """
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
-                 "grad_refs", "uses", "data_uses", "absent", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged",
+                 "grad_refs", "uses", "data_uses", "absent", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged", "opaque", "_canon",
                  "_owner", "hooks", "_where", "adopt", "rounding", "kept", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
@@ -121,6 +128,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
         self.shapes = [t.shape for t in locals_]
         self.data = pack_values(locals_, self.numel, self.dtype, self.device, via_host and not self.staged,
                                 rebind=None if self.staged else self.params, offsets=self.offsets)
+        self.opaque = storage_less(self.data)
         self.grad: torch.Tensor | None = None
         self.grad_refs: list[weakref.ref | None] = [None] * len(self.params)
         self.uses: tuple[int, int] | None = None
@@ -128,7 +136,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
         self.absent: tuple = ()  # the parameters without a gradient when ``uses`` were recorded
         self._storages: tuple = ()
         self.countable = all(type(p).grad is _TENSOR_GRAD and type(p).data is _TENSOR_DATA for p in self.params)
-        self.ptrs = [] if self.staged else list(map(_DATA_PTR, self.params))
+        self.ptrs = [] if self.staged else list(map(self.addr, self.params))
         self.states: dict[str, torch.Tensor] = {}
         self.master: torch.Tensor | None = None
         self.kahan: torch.Tensor | None = None
@@ -151,17 +159,23 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
     #: ``adopt`` and ``rounding`` again).
     _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "_storages": (), "hooks": None,
                   "_where": None, "adopt": False,
-                  "rounding": None, "kept": ()}
+                  "rounding": None, "kept": (), "_canon": None}
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT
                 and hasattr(self, k)}
 
     def __setstate__(self, state: dict) -> None:
-        for k, v in {**self._TRANSIENT, **state}.items():
+        for k, v in {**self._TRANSIENT, "opaque": False, **state}.items():
             if k in self.__slots__:  # (a copy saved by an older version may hold slots since retired)
                 setattr(self, k, v)
         self.grad_refs = [None] * len(self.params)
+        if self.opaque:  # (a copy of a tensor without storage is a tensor of its own, at offset 0: padded again)
+            with torch.no_grad():
+                for name in ("data", "grad"):
+                    t = getattr(self, name)
+                    if t is not None and t.storage_offset() == 0:
+                        setattr(self, name, flat_tensor(t.numel(), t.dtype, t.device, zero=False).copy_(t))
 
     # -- layout --------------------------------------------------------------------
 
@@ -170,6 +184,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
         self.sizes = list(sizes)
         self.offsets = _offsets(self.sizes, self.align)
         self._owner: torch.Tensor | None = None
+        self._canon: list | int | None = None
         self.valid = None
         if self.align > 1 and self.offsets[-1] != sum(self.sizes):
             counts = []
@@ -204,6 +219,30 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
             index = torch.repeat_interleave(torch.arange(len(self.sizes), dtype=torch.int32, device="cpu"), lengths)
             self._owner = index.to(self.device)  # (repeat_interleave falls back to the CPU on DirectML: built there)
         return self._owner
+
+    def draw_start(self, start: int, end: int):
+        """The element indices stochastic rounding keys elements ``[start, end)`` on (:class:`~dml_optim.core.rounding.Draws`'
+        ``start``): each element's place in the buffer's *canonical* layout, its parameters in the order of their
+        indices in the param group (aligned as the buffer is).  That is the buffer's own layout unless ``None``
+        gradients re-packed it (:meth:`permute`): ``start`` itself then, else the runs of consecutive indices, so
+        that a re-packed buffer, and a fresh optimizer loading its checkpoint, draw the numbers of each element's
+        own place."""
+        runs = self._canon
+        if runs is None:
+            order = sorted(range(len(self.params)), key=self.indices.__getitem__)
+            canonical = _offsets([self.sizes[i] for i in order], self.align)
+            at = dict(zip(order, canonical))
+            runs = []  # (buffer start, buffer end, canonical start) of each maximal run
+            for i, (a, b) in enumerate(zip(self.offsets, self.offsets[1:])):
+                if runs and runs[-1][1] == a and runs[-1][2] + (a - runs[-1][0]) == at[i]:
+                    runs[-1] = (runs[-1][0], b, runs[-1][2])
+                else:
+                    runs.append((a, b, at[i]))
+            runs = self._canon = 0 if all(a == c for a, _, c in runs) else runs
+        if runs == 0:
+            return start
+        return tuple((max(a, start) - start, min(b, end) - start, c + max(a, start) - a)
+                     for a, b, c in runs if a < end and b > start)
 
     def block_valid(self, start: int, end: int) -> torch.Tensor | None:
         """Per-block valid counts of elements ``[start, end)`` (block-aligned), or None without padding."""
@@ -260,7 +299,8 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
             if spare is not None and spare.dtype == t.dtype and spare.numel() == t.numel() and self.owned:
                 torch.cat(pieces, out=spare)  # no allocation: through the scratch
                 return t.copy_(spare)
-            out = torch.empty_like(t)
+            out = flat_tensor(t.numel(), t.dtype, t.device, zero=False) if t is self.data or t is self.grad else \
+                torch.empty_like(t)
             torch.cat(pieces, out=out)
             return out
 
@@ -286,7 +326,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
         if not self.staged:
             for p, view in zip(self.params, self.views(self.data)):
                 p.data = view
-            self.ptrs = list(map(_DATA_PTR, self.params))
+            self.ptrs = list(map(self.addr, self.params))
         self.grad_refs = [None] * len(self.params)
         self.uses = self.data_uses = None
         if self.grad is not None and not self.staged:

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from dml_optim.core.packing import contiguous_strides, local_tensor
+from dml_optim.core.packing import contiguous_strides, flat_tensor, local_tensor
 
 __all__ = ["GradientsMixin", "ZERO_RUNS", "HOOKS_AVAILABLE", "held_elsewhere", "zero_in_place"]
 
@@ -105,8 +105,7 @@ class GradientsMixin:
         the caller writes every element next (``filled=False``)."""
         if self.grad is None:
             with torch.no_grad():
-                alloc = torch.zeros if filled else torch.empty
-                self.grad = alloc(self.numel, dtype=self.dtype, device=self.device)
+                self.grad = flat_tensor(self.numel, self.dtype, self.device, zero=filled)
             self.grad_refs = [None] * len(self.params)
         return self.grad
 
@@ -159,12 +158,12 @@ class GradientsMixin:
         if i is None or (self.grad is not None and self.holds_grad(i, g)) or _refs(g) > _ALONE_LOCAL:
             return False  # (a gradient the caller holds too stays theirs: the step copies it in)
         if (g.shape != self.shapes[i] or g.dtype != self.dtype or g.device != self.device or g.layout != torch.strided
-                or not g.is_contiguous() or p.data_ptr() != self.ptrs[i]):
+                or not g.is_contiguous() or self.addr(p) != self.ptrs[i]):
             return False
         if self.grad is not None and _held(self.grad_refs[i], g):
             self.release_grad()  # (the old gradient is the caller's: adopted into a new buffer, not into it)
         grad = self.ensure_grad()  # (zeros: slots of parameters without a gradient are zeroed again at the step)
-        if _storage(g) == _storage(grad):
+        if self.in_grad_buffer(g):
             return False
         view = self.grad_view(i)  # (neither it nor ``g`` requires grad: no graph is recorded, no_grad not needed)
         view.copy_(g)
@@ -204,7 +203,7 @@ class GradientsMixin:
         ref = self.grad_refs[i]
         view = ref() if ref is not None else None
         a = self.offsets[i]
-        if view is None or view.data_ptr() != self.grad.data_ptr() + a * self.grad.element_size():
+        if view is None or self.addr(view) != self.grad_addr(a):
             # (none yet, or its .data was re-bound away: model.to() does that to the gradients it finds)
             shape = self.shapes[i]  # (one view op, not a slice and a view: the hook makes one per fresh gradient)
             view = self.grad.as_strided(shape, contiguous_strides(shape), self.grad.storage_offset() + a)
@@ -220,9 +219,24 @@ class GradientsMixin:
         """Per parameter: its ``.grad`` is its view of the flat gradient buffer, still pointing there."""
         if self.grad is None:
             return [False] * len(self.params)
-        base, size = self.grad.data_ptr(), self.grad.element_size()
-        return [g is not None and ref is not None and ref() is g and g.data_ptr() == base + a * size
+        addr, at = self.addr, self.grad_addr
+        return [g is not None and ref is not None and ref() is g and addr(g) == at(a)
                 for g, ref, a in zip(map(_GRAD, self.params), self.grad_refs, self.offsets)]
+
+    def grad_addr(self, offset: int) -> int:
+        """The address (:func:`~dml_optim.core.packing.address`) of element ``offset`` of the flat gradient buffer."""
+        grad = self.grad
+        return grad.storage_offset() + offset if self.opaque else grad.data_ptr() + offset * grad.element_size()
+
+    def in_grad_buffer(self, g) -> bool:
+        """``g`` lies in the flat gradient buffer's memory (a view of it: one handed out, or two swapped).  On a device
+        without storage no tensor shows its memory: a view handed out (held, identity) is recognized, a view of the
+        buffer made otherwise (slicing ``flat_buffers()[i].grad``) is not (docs/guide/directml-on-linux.md)."""
+        if self.grad is None or g is None:
+            return False
+        if not self.opaque:
+            return _storage(g) == _storage(self.grad)
+        return any(ref is not None and ref() is g for ref in self.grad_refs)
 
     def gather_grads(self, foreign: Sequence[int], keep: frozenset[int] = frozenset()) -> None:
         """Copy the gradients of parameters ``foreign`` into the flat buffer and re-point ``p.grad``, except
@@ -232,11 +246,10 @@ class GradientsMixin:
             foreign = [i for i, p in enumerate(self.params) if p.grad is not None]
         self.ensure_grad()
         with torch.no_grad():
-            home = _storage(self.grad)
             # a gradient re-bound to another place of this buffer (two views swapped) is read before any is
             # written: copied out first, all of them, or one run's writes would reach another's source
-            sources = {i: local_tensor(self.params[i].grad).reshape(-1) for i in foreign}
-            sources = {i: g.clone() if _storage(g) == home else g for i, g in sources.items()}
+            sources = {i: local_tensor(self.params[i].grad) for i in foreign}
+            sources = {i: (g.clone() if self.in_grad_buffer(g) else g).reshape(-1) for i, g in sources.items()}
             for first, stop in _runs(foreign):  # one cat per contiguous run: O(1) ops after a re-pack
                 a, b = self.offsets[first], self.offsets[stop]
                 grads = [sources[i] for i in range(first, stop)]
@@ -262,9 +275,9 @@ class GradientsMixin:
             return False
         grads = [local_tensor(p.grad).reshape(-1) if a else None for p, a in zip(self.params, active)]
         self.release_held()
-        home = _storage(self.ensure_grad(filled=False))  # (a new buffer: every element is written below or by
-        # the caller's gather and zeroing when this returns False)
-        if any(g is not None and _storage(g) == home for g in grads):
+        self.ensure_grad(filled=False)  # (a new buffer: every element is written below or by the caller's gather
+        # and zeroing when this returns False)
+        if any(self.in_grad_buffer(local_tensor(p.grad)) for p, a in zip(self.params, active) if a):
             return False  # (a view of our own buffer: cat cannot read what it writes)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         with torch.no_grad():

@@ -35,8 +35,9 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
+from dml_optim.core.packing import storage_less
 from dml_optim.core.quant import QuantizedState, block_mask, format_named
-from dml_optim.core.rounding import StochasticRounder, write_rounded
+from dml_optim.core.rounding import RoundingKey, write_rounded
 
 __all__ = ["step_scalars", "run_rule", "fused_step", "masked_scalars", "masked_step", "conversion_count",
            "coefficient_dtype", "storage_dtype", "KernelKey", "MaskedKey", "operand_names", "kernel_operands"]
@@ -117,7 +118,13 @@ def coefficient_dtype(device: torch.device, compute_dtype: torch.dtype | None = 
     """
     if compute_dtype is not None:
         return torch.float64 if compute_dtype == torch.float64 else torch.float32
-    return torch.float64 if device.type in ("cpu", "cuda", "meta") else torch.float32
+    return torch.float64 if (AS_DEVICE[0] or device.type) in ("cpu", "cuda", "meta") else torch.float32
+
+
+#: The device type whose coefficient dtype :func:`coefficient_dtype` follows instead of the buffer's own (None: its
+#: own; ``dml_optim.backends.eager.laid_out_as`` sets it, with the scratch layout, to record a CPU step as DirectML
+#: runs it).
+AS_DEVICE: list = [None]
 
 
 def _full_like(value, like: torch.Tensor) -> torch.Tensor:
@@ -170,7 +177,7 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
              scratch: Sequence[torch.Tensor | None] = (), fused: bool = False,
              valid: torch.Tensor | None = None, index: torch.Tensor | None = None,
              small: torch.Tensor | None = None, pad: torch.Tensor | None = None,
-             rounding: StochasticRounder | None = None) -> list[torch.Tensor]:
+             rounding: RoundingKey | None = None) -> list[torch.Tensor]:
     """Apply ``cls.rule`` to one range, in place on ``x`` and ``states``.
 
     ``x``: the values the rule updates (the parameters, or their FP32 master
@@ -193,8 +200,9 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     chunk's padding positions (int64), set to 0 in the parameters after the rule (one ``scatter_``); the
     states' padding needs no mask there, as it only holds what the rule makes of zero gradients and zero
     parameters (0 in a signed state; the smallest level of an unsigned one, below the block's maximum).
-    ``rounding``: the parameters (float16/bfloat16, the rule in FP32) are written stochastically
-    (:func:`dml_optim.core.rounding.write_rounded`; eager only), else to the nearest value.
+    ``rounding``: the parameters (float16/bfloat16, the rule in FP32) are written stochastically, with the
+    range's counter-based numbers (:func:`dml_optim.core.rounding.write_rounded`; eager only), else to the
+    nearest value.
     Returns the quantized states' encoder factors a compiled kernel returns (:func:`fused_step`), else ``[]``.
     """
     pool = iter(buffers) if buffers is not None else None
@@ -227,7 +235,8 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     if pad is not None:
         xs.view(-1).scatter_(0, pad, 0.0)
     # (the signed ``root`` encoder's work: the decoder's index, free once every state is decoded)
-    work = index.view(compute_dtype) if index is not None and compute_dtype.itemsize == 4 else None
+    work = (index.view(compute_dtype) if index is not None and compute_dtype.itemsize == 4 and not storage_less(index)
+            else None)  # (no dtype view of a tensor without storage: DirectML reads the storage for it)
     returned = []  # (a compiled kernel returns the encoders' per-block factors: quant.encode_ says why)
     for s, c in zip(states, ss):
         if isinstance(s, QuantizedState):

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as nnf
 
+from dml_optim.devices import DEVICES, fallback_counter, resolve as resolve_device
 from dml_optim.job import toy
 from dml_optim.optimizers import registry
 from dml_optim.precision import epsilon_name
@@ -52,7 +53,6 @@ DTYPES = ("float32", "float16", "bfloat16", "mixed")
 #: ``--rounding`` choices (ours, float16/bfloat16 parameters).
 ROUNDINGS = ("nearest", "stochastic")
 #: ``--device`` choices.
-DEVICES = ("auto", "cpu", "cuda", "privateuseone")
 DEFAULT_STEPS = 1000
 DEFAULT_BATCH_SIZE = 128
 #: Epsilon of every optimizer that has one, with FP16 state (``--dtype float16``).
@@ -150,6 +150,9 @@ class RunResult:
     loss_scale: float | None = None
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
     audit: dict[str, Any] = field(default_factory=dict)
+    #: on the stand-in DirectML device: the ops of the whole run (forward, backward, steps) that DirectML runs
+    #: through its CPU fallback, with their counts, as the stand-in counted them (None elsewhere)
+    directml_fallbacks: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -160,30 +163,6 @@ class RunResult:
 # ----------------------------------------------------------------------------
 # devices
 # ----------------------------------------------------------------------------
-
-def resolve_device(name: str = "auto") -> torch.device:
-    """The device for ``--device name``; ``ValueError`` naming the value and why it is unusable.
-
-    ``auto`` is :func:`dml_optim.device` (DirectML, else CUDA, else CPU).
-    """
-    from dml_optim.dml.device import available as dml_available, device as best_device
-
-    if name == "auto":
-        return best_device()
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            why = "this torch build has no CUDA support" if torch.version.cuda is None else "torch.cuda.is_available() is False"
-            raise ValueError(f"device 'cuda' is not usable: {why}")
-        return torch.device("cuda")
-    if name == "privateuseone":
-        ok, reason = dml_available()
-        if not ok:
-            raise ValueError(f"device 'privateuseone' (DirectML) is not usable: {reason}")
-        return best_device()
-    raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
-
 
 def _synchronize(device: torch.device, probe: torch.Tensor) -> None:
     """Wait for the device's queued work (CPU: nothing to wait for).
@@ -352,6 +331,7 @@ def train(
     scaler = _make_scaler(device, mixed, torch_amp)
     probe = next(model.parameters())
 
+    counting = fallback_counter(device)
     initial_loss = _mean_loss(model, x_train, y_train)
     losses: list[torch.Tensor] = []
     skipped = torch.zeros((), device=device) if (mixed and not torch_amp) else None
@@ -385,6 +365,7 @@ def train(
         if progress is not None and (i + 1 == config.steps or (progress_every and (i + 1) % progress_every == 0)):
             progress(i + 1, config.steps, float(losses[-1]))
     total_s = time.perf_counter() - start
+    fallbacks = counting() if counting is not None else None
     if inside is not None:
         inside.remove()  # (the audit's step after the evaluation is a plain one)
 
@@ -413,6 +394,7 @@ def train(
         skipped_steps=None if skipped is None else int(skipped.item()),
         loss_scale=None if scaler is None else float(scaler.get_scale()),
         loss_curve=[(p + 1, curve[p]) for p in picks],
+        directml_fallbacks=fallbacks,
     )
     if audit:
         result.audit = _audit(opt)

@@ -41,6 +41,7 @@ import torch
 from torch.optim import Optimizer
 
 from dml_optim.backends.modes import is_compiling as _is_compiling
+from dml_optim.core.dtypes import check_directml_dtypes
 from dml_optim.core.flat import describe_param
 from dml_optim.core.grads import zero_in_place
 from dml_optim.optimizers.contract import ContractMixin
@@ -286,6 +287,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         type(self).spec.check(group)
         type(self).spec.torch.check_implementation_flags(group)
         check_options(group)
+        check_directml_dtypes(group, gi)
         if group["master_weights"] or group["kahan"]:
             option = "master_weights" if group["master_weights"] else "kahan"
             for i, p in enumerate(group["params"]):

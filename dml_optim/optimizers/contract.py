@@ -214,17 +214,20 @@ class ContractMixin:
         storage (``Parameter.__deepcopy__``), so the copied parameters are not
         views of the copied buffer; their values are the truth and are copied
         in.  Pickled parameters come back as views already (``torch.save``
-        keeps shared storages), and nothing is copied.
+        keeps shared storages), and nothing is copied; on a device without
+        storage (DirectML) each tensor is copied on its own, and so is each
+        parameter's values.
         """
         with torch.no_grad():
             for layout in self._layout:
                 for flat in layout.buffers:
                     if flat.staged:
                         continue
-                    home = flat.data.untyped_storage().data_ptr()
+                    home = flat.data.untyped_storage().data_ptr() if not flat.opaque else None
                     base = flat.data.storage_offset()
                     for i, (p, view) in enumerate(zip(flat.params, flat.views(flat.data))):
-                        if (p.untyped_storage().data_ptr() == home and p.storage_offset() == base + flat.offsets[i]
+                        if (home is not None and p.untyped_storage().data_ptr() == home
+                                and p.storage_offset() == base + flat.offsets[i]
                                 and p.is_contiguous() and p.shape == view.shape):
                             continue
                         if p.shape == view.shape and p.dtype == view.dtype and p.device == view.device:

@@ -41,7 +41,7 @@ from dml_optim.core.flat import (Binding, FlatBuffer, describe_param, group_key,
 from dml_optim.core.functional import check_like
 from dml_optim.core.grads import _runs
 from dml_optim.core.quant import BLOCK, MIN_ELEMENTS
-from dml_optim.optimizers.rounders import check_rounding, rounder
+from dml_optim.optimizers.rounders import check_rounding, rounding_key
 from dml_optim.optimizers.settings import changed_scalars, items, moved, structure_of, tensors_given, unchanged, watch
 from dml_optim.optimizers.spec import sync_group
 from dml_optim.optimizers.states import ensure_state
@@ -136,7 +136,7 @@ class LayoutMixin:
         flat.adopt = not fused and getattr(self, "_in_backward", None) is None
         flat.hook_grads()
         stochastic = group.get("rounding") == "stochastic" and flat.dtype in LOW_PRECISION_DTYPES
-        flat.rounding = rounder(self, flat.device) if stochastic else None
+        flat.rounding = rounding_key(self, group, flat) if stochastic else None
 
     def _bits_changed(self, group: dict[str, Any], layout: GroupLayout) -> bool:
         """``state_bits`` changed before any state exists: the buffers must be packed again."""

@@ -162,8 +162,8 @@ def marker(opt, state: dict) -> dict[str, Any]:
     if any(isinstance(k, str) and k.endswith(CODES) for entry in state.values() if isinstance(entry, dict) for k in entry):
         meta["quantization"] = quant.ACTIVE_CODEBOOK  # (the codebook states are created and loaded in)
     rounding = rounding_state(opt)
-    if rounding:  # rounding="stochastic": the generators' states, by device (a resumed run draws on)
-        meta["rounding_generators"] = rounding
+    if rounding is not None:  # rounding="stochastic": the seed of its counter-based numbers (a resumed run draws on)
+        meta["rounding_seed"] = rounding
     return meta
 
 
@@ -179,18 +179,15 @@ def load(opt, state_dict: dict[str, Any]) -> None:
     saved_bits = [g.get("state_bits") if version >= 1 else None for g in state_dict["param_groups"]]
     incoming = _check_state(opt, state_dict["state"], index_of, new_groups, version, saved_bits,
                             state_dict.get("dml_optim", {}).get("quantization"))
-    rounding = state_dict.get("dml_optim", {}).get("rounding_generators")
-    if rounding is not None and not (isinstance(rounding, dict) and all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for k, v in rounding.items())):
-        _fail(f"'dml_optim'['rounding_generators'] must map device names to generator states (uint8 tensors), "
-              f"got {type(rounding).__name__}", TypeError)
-    why = check_rounding_state(rounding)  # (before anything is written: a CUDA checkpoint on a CPU-only machine)
+    meta = state_dict.get("dml_optim", {})
+    rounding = meta.get("rounding_seed")
+    why = check_rounding_state(rounding)  # (before anything is written)
     if why is not None:
-        _fail(f"'dml_optim'['rounding_generators']: {why}")
+        _fail(f"'dml_optim'['rounding_seed']: {why}", TypeError)
     opt._include(sorted(incoming))  # frozen parameters with saved state get packed (their values are unchanged)
     staged = _stage(opt, new_groups, incoming)
     _write(opt, new_groups, staged)
-    load_rounding_state(opt, rounding)
+    load_rounding_state(opt, rounding, legacy=rounding is None and "rounding_generators" in meta)
 
 
 # -- checks (nothing is written) ------------------------------------------------

@@ -42,9 +42,8 @@ gradient is complete (autograd runs a parameter's accumulation after every use
 of it in the graph, so no later part of this backward reads its value), with the
 group's hyperparameters of that moment (schedulers step between iterations,
 as before).  ``state_dict``, low-bit state and frozen parameters work as they
-do.  With ``rounding="stochastic"`` the random draws follow the order the runs
-step in (backward's), so results equal a plain step's in distribution, and are
-reproducible under a seed, but not draw for draw.
+do.  With ``rounding="stochastic"`` too: its numbers are keyed on the seed,
+each element's step count and index, not on the order the runs step in.
 
 **Refused at setup** (``ValueError`` naming what to change), because they need
 every gradient of the model before the first parameter steps, or a step of the
@@ -77,6 +76,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from dml_optim.core.packing import address, storage_less
 
 __all__ = ["step_in_backward", "StepInBackward", "DEFAULT_MIN_RUN_BYTES"]
 
@@ -228,17 +229,24 @@ class StepInBackward:
                 self._where[id(p)] = (run, j)
         self._all = [p for run in self.runs for p in run.params]
         self._trainable = [p.requires_grad for p in self._params()]
-        self._ptrs = [p.data_ptr() for p in self._all]
+        self._ptrs = self._places()
         self.optimizer.set_in_backward(self)
         for p in self._all:
             self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
 
+    def _places(self) -> list:
+        """Where each hooked parameter lies (:func:`~dml_optim.core.packing.address`; on a device without storage,
+        with its dtype and device: an offset alone does not tell ``model.half()``'s new tensor from the old)."""
+        return [(address(p, True), p.dtype, p.device) if storage_less(p) else address(p, False) for p in self._all]
+
     def _moved(self, buffers) -> bool:
         """Some trainable parameter no longer lives in its flat buffer (re-bound: ``model.to()``, ``p.data = t``)."""
         for info, ps in zip(self.optimizer.flat_buffers(), buffers):
-            lo = info.data.data_ptr()
-            hi = lo + info.data.numel() * info.data.element_size()
-            if any(not lo <= p.data_ptr() < hi for _, p in ps):
+            opaque = storage_less(info.data)
+            lo = address(info.data, opaque)
+            hi = lo + info.data.numel() * (1 if opaque else info.data.element_size())
+            if any(not lo <= address(p, opaque) < hi or storage_less(p) != opaque
+                   or (p.dtype, p.device) != (info.dtype, info.device) for _, p in ps):
                 return True
         return False
 
@@ -301,7 +309,7 @@ class StepInBackward:
         if [p.requires_grad for p in self._params()] != self._trainable:
             raise RuntimeError("step_in_backward: parameters were frozen or unfrozen, or a param group was added, "
                                "since the runs were cut: call refresh() on the handle step_in_backward returned")
-        if [p.data_ptr() for p in self._all] != self._ptrs:
+        if self._places() != self._ptrs:
             raise RuntimeError("step_in_backward: parameters were re-bound (model.to(), p.data = t) since the runs "
                                "were cut: call refresh() on the handle step_in_backward returned (between backward "
                                "passes)")
