@@ -212,7 +212,8 @@ def _opt(**options):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_norm=1.0), "global-norm clipping"),
     (dict(accumulation_steps=4), "every backward steps"),
-    (dict(scaler=object()), "loss scaler"),
+    (dict(scaler=object()), "pass a dml_optim.DynamicLossScaler"),
+    (dict(scaler=torch.amp.GradScaler("cpu")), r"scaler=GradScaler: .* pass a dml_optim.DynamicLossScaler"),
 ])
 def test_refused_at_setup(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -387,21 +388,23 @@ def test_handle_is_a_context_manager():
 
 
 @pytest.mark.slow
-def test_the_main_job_in_bf16_with_stochastic_rounding_8_bit_state_and_the_step_inside_backward():
-    """Issue 32 item 5's configuration on the main job (``dml-optim train --optimizer adamw --dtype bfloat16
-    --rounding stochastic --state-bits 8 --step-in-backward``): within 1.0 point of FP32's held-out accuracy,
-    and every parameter left without a gradient (stepped inside backward)."""
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_main_job_in_half_precision_with_stochastic_rounding_8_bit_state_and_the_step_inside_backward(dtype):
+    """The lean configuration on the main job (``dml-optim train --optimizer adamw --dtype float16 --rounding
+    stochastic --state-bits 8 --step-in-backward``; float16 scales its loss inside backward, what DirectML runs;
+    bfloat16 for reference, not on DirectML): within 1.0 point of FP32's held-out accuracy."""
     from dml_optim.job.train import TrainConfig, train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         fp32 = train(TrainConfig(optimizer="adamw"), audit=False).test_accuracy
-        lean = train(TrainConfig(optimizer="adamw", dtype="bfloat16", rounding="stochastic", state_bits=8,
+        lean = train(TrainConfig(optimizer="adamw", dtype=dtype, rounding="stochastic", state_bits=8,
                                  step_in_backward=True), audit=False)
     finally:
         torch.set_num_threads(threads)
-    assert lean.param_dtype == "bfloat16" and lean.state_dtype.startswith("8-bit")
+    assert lean.param_dtype == dtype and lean.state_dtype.startswith("8-bit")
+    assert (lean.loss_scale is not None) == (dtype == "float16")  # (float16: scaled inside backward)
     assert 100 * (fp32 - lean.test_accuracy) <= 1.0, (fp32, lean.test_accuracy)
 
 
@@ -455,3 +458,105 @@ def test_a_backward_whose_step_raises_leaves_the_next_backward_a_fresh_start():
                                                           for run in handle.runs)
     assert all(p.grad is None for p in net.parameters())
     assert not torch.equal(net.head.weight, before[6])
+
+
+# -- loss scaling inside backward (issue 49) -------------------------------------------------------------------
+
+
+def _scaled_loop(dtype, *, inside: bool, steps: int = 5, init_scale: float = 2.0**10, state_bits=None,
+                 rounding: str = "nearest", batches=None):
+    """The wide net, AdamW (eager: DirectML's path), a LambdaLR, and a DynamicLossScaler: stepped inside backward
+    (the scaler told to the handle) or after it (``scaler.step``); ``(net, optimizer, scaler, handle, warnings)``."""
+    import warnings
+
+    import dml_optim
+
+    net = _wide_net(dtype)
+    torch.manual_seed(3)
+    opt = build("adamw", list(net.parameters()), lr=1e-3, eps=1e-4, backend="eager", state_bits=state_bits,
+                rounding=rounding)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    scaler = dml_optim.DynamicLossScaler(init_scale=init_scale)
+    handle = step_in_backward(opt, run_bytes=0, scaler=scaler) if inside else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            x, y = batches(i) if batches is not None else _wide_batch(i, dtype)
+            loss = torch.nn.functional.mse_loss(net(x, side=i % 2 == 1).float(), y.float())
+            scaler.scale(loss).backward()
+            if not inside:
+                scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+    return net, opt, scaler, handle, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_loss_scaling_inside_backward_equals_the_plain_scaled_loop(dtype):
+    """``step_in_backward(opt, scaler=DynamicLossScaler())``: each run unscaled, checked and gated on the device as
+    its gradients arrive.  Without an overflow every run steps: the parameters equal the plain loop's
+    (``scaler.step(opt)``, the same gated rule) bit for bit, and a LambdaLR stepping after each backward gets no
+    torch warning that it came before the optimizer's step."""
+    plain, _, _, _, _ = _scaled_loop(dtype, inside=False)
+    inside, opt, scaler, handle, caught = _scaled_loop(dtype, inside=True)
+    assert len(handle.runs) >= 2 and handle.steps >= 10
+    assert _same(plain, inside)
+    assert not [w for w in caught if "lr_scheduler.step()" in w], caught
+    assert scaler.get_scale() == 2.0**10
+
+
+def test_a_run_that_overflows_is_skipped_alone_and_the_scale_backs_off():
+    """float16, one parameter's gradient overflowed (inf, as a too-large scale makes it; set by a gradient hook so
+    that exactly one run holds it): that run changes nothing (its parameters, states and step counts as they were),
+    the other runs step, the scaler is told, and ``update()`` halves the scale; no host sync and no CPU fallback
+    during backward (each run's flag stays on the device until the scaler's update reads it)."""
+    import dml_optim
+    from dml_optim.audit import audit_call
+
+    net = _wide_net(torch.float16)
+    opt = build("adamw", list(net.parameters()), lr=1e-3, eps=1e-4, backend="eager")
+    scaler = dml_optim.DynamicLossScaler(init_scale=2.0**10)
+    handle = step_in_backward(opt, run_bytes=0, scaler=scaler)
+    assert len(handle.runs) >= 2
+    overflowed = net.b.weight
+    overflowed.register_hook(lambda g: torch.full_like(g, float("inf")))
+    skipped_run = next(run for run in handle.runs if any(p is overflowed for p in run.params))
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = _wide_batch(0, torch.float16)
+    loss = torch.nn.functional.mse_loss(net(x, side=True).float(), y.float())
+    report = audit_call(opt, lambda: scaler.scale(loss).backward())
+    assert report.host_syncs == 0 and report.fallback_ops == 0
+    for k, (p, b) in enumerate(zip(net.parameters(), before)):
+        in_skipped = any(p is q for q in skipped_run.params)
+        assert torch.equal(p, b) == in_skipped, k
+        state = opt.state_dict()["state"].get(k, {})
+        assert float(state.get("step", 0)) == (0.0 if in_skipped else 1.0), (k, state.get("step"))
+    assert float(scaler.step(opt)) == 1.0  # (one run skipped, as the scaler was told; nothing stepped again)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9
+
+
+def test_loss_scaling_inside_backward_keeps_gradients_float16_cannot_hold():
+    """Gradients below float16's smallest subnormal (about 6e-8): without a scaler they are 0 and float16
+    parameters do not move; scaled by 2**20 they are held, and unscaled in float32 inside the rule (a precision
+    mode that computes in float32: master weights here, stochastic rounding in the lean configuration), AdamW's
+    first step moves each parameter by lr against its gradient's sign, as the float64 reference does (to
+    float16's rounding of the result)."""
+    import dml_optim
+
+    def run(scaled: bool):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.full((64,), 1.0, dtype=torch.float16))
+        opt = build("adamw", [w], lr=1e-2, eps=1e-30, weight_decay=0.0, backend="eager", master_weights=True)
+        scaler = dml_optim.DynamicLossScaler(init_scale=2.0**20) if scaled else None
+        step_in_backward(opt, scaler=scaler)
+        target = torch.linspace(-1, 1, 64)
+        loss = (w.float() * target).sum() * 1e-9  # (d loss / d w = 1e-9 * target: below float16's range)
+        (scaler.scale(loss) if scaled else loss).backward()
+        return w.detach().double()
+
+    assert torch.equal(run(False), torch.ones(64, dtype=torch.float64))
+    target = torch.linspace(-1, 1, 64, dtype=torch.float64)
+    expected = (1.0 - 1e-2 * torch.sign(target)).half().double()  # (AdamW step 1: m / sqrt(v) = sign(g))
+    assert torch.equal(run(True), expected)

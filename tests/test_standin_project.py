@@ -519,3 +519,30 @@ def test_a_fallback_in_a_forward_is_counted_by_the_table_and_by_the_standin(dev)
         report = audit_call(opt, lambda: torch.lerp(x, w, 0.5).square().sum().backward())
         counted = standin.fallbacks()
     assert report.fallback_ops == 1 and counted == {"aten::lerp.Scalar_out": 1}, (report.fallbacks, counted)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_lean_configuration_runs_on_directml(dev, bits):
+    """The lean configuration DirectML runs (issue 49): float16 parameters, stochastic rounding, 8-bit or 4-bit
+    state, the step inside backward with dynamic loss scaling inside it.  Under ``strict`` and ``float64=False``:
+    no fallback and no float64 in forward, backward and the runs' steps, and the CPU's run bit for bit."""
+    def run(device):
+        m = _model(torch.float16, device)
+        torch.manual_seed(5)
+        opt = build("adamw", m.parameters(), lr=1e-2, eps=1e-4, state_bits=bits, rounding="stochastic")
+        scaler = dml_optim.DynamicLossScaler(init_scale=2.0**12)
+        handle = step_in_backward(opt, run_bytes=0, scaler=scaler)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+        for i in range(4):
+            scaler.scale(_loss(m, _batch(i, torch.float16, device))).backward()
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        assert handle.steps >= 4
+        return [p.detach().to("cpu") for p in m.parameters()], scaler.get_scale()
+
+    ours, scale = run(dev)
+    assert standin.fallbacks() == {} and standin.unknown() == {}
+    with laid_out_as("privateuseone"):
+        cpu, cpu_scale = run(torch.device("cpu"))
+    assert scale == cpu_scale and _same(ours, cpu)

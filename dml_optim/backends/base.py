@@ -54,6 +54,9 @@ class StepRequest(NamedTuple):
     grads: list | None = None  # per parameter, the gradient read where it is (fused), None: the flat buffer
     copied: bool = False  # ``grads`` were copied into the flat buffer this step (fused: read there, remembered)
     window: tuple[torch.Tensor, int] | None = None  # (gradients of a range, its first element): the range steps alone
+    # a factor of the gradients, applied in the compute dtype before the rule (the step inside backward's loss
+    # scaling: a float16 window is unscaled in float32, where its small values do not underflow); eager only
+    grad_scale: torch.Tensor | None = None
 
 
 def grad_range(flat, window: tuple[torch.Tensor, int] | None, start: int, end: int) -> torch.Tensor:

@@ -223,6 +223,8 @@ def _rule_plan(request: StepRequest, decision: Decision, last: Plan | None) -> E
     opt, group, flat = request.opt, request.group, request.flat
     backend = group["backend"]
     key = None
+    if request.grad_scale is not None:  # (gradients unscaled inside the rule: the eager rule's, DirectML's path)
+        return _eager.BACKEND.plan(request, last, compiled=decision.rule == "compiled", masked_kernel=False)
     if decision.rule == "compiled" and not eager_only_now():
         key = kernel_key(opt, group, flat)
         reason = _compiled._BROKEN.get(key)

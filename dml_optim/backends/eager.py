@@ -401,10 +401,11 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
                 xs, gs, ss = x[a:b], grad_range(flat, request.window, a, b), [flat.states[n][a:b] for n in names]
                 rule = [s[a:b] for s in rule_scratch] if scratch_full else [s[: b - a] for s in rule_scratch]
             rule += [None] * (cls.scratch_slots - len(rule))
-            if finite is None:
+            if finite is None and request.grad_scale is None:
                 cls.rule(xs, gs, *ss, scratch=rule, **scalars)
             else:
-                run_rule(cls, xs, gs, ss, scalars, compute_dtype=cdtype, finite=finite, scratch=rule)
+                run_rule(cls, xs, gs, ss, scalars, compute_dtype=cdtype, finite=finite, scratch=rule,
+                         grad_scale=request.grad_scale)
         return
     chunk = scratch[0].numel() if scratch and scratch[0].numel() else CHUNK_ELEMENTS
     index = small = None
@@ -426,4 +427,4 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
                  buffers=[t[:k] for t in conversions] if conversions else None,
                  scratch=[s[:k] for s in rule_scratch] + [None] * (cls.scratch_slots - len(rule_scratch)),
                  index=index, small=small[: k // flat.align] if small is not None else None, rounding=key,
-                 pad=padding_positions(flat, a, b) if flat.bits else None)
+                 pad=padding_positions(flat, a, b) if flat.bits else None, grad_scale=request.grad_scale)

@@ -177,7 +177,7 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
              scratch: Sequence[torch.Tensor | None] = (), fused: bool = False,
              valid: torch.Tensor | None = None, index: torch.Tensor | None = None,
              small: torch.Tensor | None = None, pad: torch.Tensor | None = None,
-             rounding: RoundingKey | None = None) -> list[torch.Tensor]:
+             rounding: RoundingKey | None = None, grad_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Apply ``cls.rule`` to one range, in place on ``x`` and ``states``.
 
     ``x``: the values the rule updates (the parameters, or their FP32 master
@@ -202,7 +202,8 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     parameters (0 in a signed state; the smallest level of an unsigned one, below the block's maximum).
     ``rounding``: the parameters (float16/bfloat16, the rule in FP32) are written stochastically, with the
     range's counter-based numbers (:func:`dml_optim.core.rounding.write_rounded`; eager only), else to the
-    nearest value.
+    nearest value.  ``grad_scale``: a 0-d factor the gradients are multiplied by once in the compute dtype (the
+    step inside backward's unscaling; ``g`` is then scratch the call may write), eager only.
     Returns the quantized states' encoder factors a compiled kernel returns (:func:`fused_step`), else ``[]``.
     """
     pool = iter(buffers) if buffers is not None else None
@@ -224,6 +225,8 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     x_old = up(x, force=True) if comp is not None else None
     xs = up(x, force=comp is not None)
     gs = up(g)
+    if grad_scale is not None:
+        gs = gs.mul_(grad_scale.to(gs.dtype))  # (the window's gradients, or their converted copy: scratch)
     ss = [up(s) for s in states]
     cls.rule(xs, gs, *ss, scratch=scratch, **scalars)
     mask = block_mask(valid, x.numel() // valid.numel()) if valid is not None else None

@@ -323,18 +323,21 @@ def train(
         precision = {"rounding": "stochastic"} if config.rounding == "stochastic" else {}
         opt = registry.build(config.optimizer, model.parameters(), master_weights=mixed, state_bits=config.state_bits,
                              **precision, **hyper)
+    # float16 parameters stepped inside backward (the lean configuration DirectML runs) scale the loss: each run
+    # is unscaled, checked and stepped on the device as its gradients arrive
+    lean_fp16 = param_dtype == torch.float16 and config.step_in_backward and impl == "dml_optim"
+    scaler = _make_scaler(device, mixed or lean_fp16, torch_amp)
     inside = None
     if config.step_in_backward and impl == "dml_optim":  # (torch.optim's run steps after backward)
         from dml_optim.training.backward import step_in_backward
 
-        inside = step_in_backward(opt)
-    scaler = _make_scaler(device, mixed, torch_amp)
+        inside = step_in_backward(opt, scaler=scaler)
     probe = next(model.parameters())
 
     counting = fallback_counter(device)
     initial_loss = _mean_loss(model, x_train, y_train)
     losses: list[torch.Tensor] = []
-    skipped = torch.zeros((), device=device) if (mixed and not torch_amp) else None
+    skipped = torch.zeros((), device=device) if ((mixed or lean_fp16) and not torch_amp) else None
     step_ms: list[float] = []
     opt_ms: list[float] = []
     start = time.perf_counter()

@@ -309,7 +309,8 @@ class EngineMixin:
                 self._hook(group, flat)  # (the layout's rule: no buffer adopts while a handle takes gradients)
 
     @torch.no_grad()
-    def step_run(self, buffer: int, grads: dict[int, torch.Tensor]) -> None:
+    def step_run(self, buffer: int, grads: dict[int, torch.Tensor], inv_scale: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
         """Step the parameters of flat buffer ``buffer`` (:meth:`flat_buffers`' order) that ``grads`` names (their
         positions in the buffer -> their gradients), alone, now: what the step inside backward calls when a run's
         gradients are complete (:mod:`dml_optim.training.backward`).
@@ -320,7 +321,13 @@ class EngineMixin:
         reads the gradients where they are; the other backends read them from a window the size of the run,
         kept per buffer (grown to the largest run; :meth:`~dml_optim.core.flat.FlatBuffer.fill_window`).
         Nothing re-packs and no flat gradient buffer is made.  Raises before writing for a gradient unlike its
-        parameter and for settings that do not validate."""
+        parameter and for settings that do not validate.
+
+        ``inv_scale`` (a 0-d tensor on the device: a loss scaler's ``1 / S``): the gradients are scaled; the run is
+        checked on the device (one reduction over its window), its step gated on that flag (a run with an inf or
+        NaN gradient changes nothing: parameters, states and step counts stay as they were) and its gradients
+        unscaled inside the rule, in the compute dtype (float32 for float16 parameters: no underflow).  Returns
+        the flag (0-d bool, True: stepped), else None; nothing is read back to the host."""
         found = [(gi, group, flat) for gi, (group, flats) in enumerate(self.buffers_by_group()) for flat in flats]
         if not 0 <= buffer < len(found):
             raise IndexError(f"buffer {buffer} out of range: the optimizer has {len(found)} flat buffers")
@@ -334,7 +341,7 @@ class EngineMixin:
         self._settle(gi, candidate, synced)
         rt = runtime(flat)
         rt.settings, rt.structure = layout.checked, layout.structure
-        if fuses(self, group, flat):
+        if inv_scale is None and fuses(self, group, flat):
             listed = [None] * len(flat.params)
             for i, g in grads.items():
                 g = flat.check_run_grad(i, g)
@@ -348,7 +355,12 @@ class EngineMixin:
                 rt.window = out = None  # (the old one freed before the new one is made)
                 out = rt.window = torch.zeros(end - start + 1, dtype=flat.dtype, device=flat.device)
             request = StepRequest(self, group, flat, window=flat.fill_window(grads, out))
+        finite = None
+        if inv_scale is not None:  # (max |g| < inf: false for an inf and for a NaN, which the max propagates)
+            finite = torch.linalg.vector_norm(request.window[0][:end - start], float("inf")) < math.inf
+            request = request._replace(grad_scale=inv_scale.to(flat.device))
         ensure_state(type(self), group, flat)
         flat.counter.split([i in grads for i in range(len(flat.params))])
         self._steady = None
-        self._run([request], lambda group, flat: None)
+        self._run([request], lambda group, flat: finite)
+        return finite

@@ -101,7 +101,11 @@ class DynamicLossScaler:
 
     Per iteration: :meth:`scale` the loss, ``backward()``, :meth:`step` each
     optimizer (a ``dml_optim`` optimizer: it needs ``step_scaled``), then
-    :meth:`update` once.  Only :meth:`get_scale` and :meth:`state_dict` read a
+    :meth:`update` once.  With the step inside backward
+    (``dml_optim.step_in_backward(optimizer, scaler=scaler)``) each run of
+    parameters is unscaled, checked and stepped during ``backward()``, and
+    :meth:`step` has nothing left to do: :meth:`scale`, ``backward()``,
+    :meth:`update`.  Only :meth:`get_scale` and :meth:`state_dict` read a
     value back to the host (a sync); everything else is queued on the device.
     ``state_dict()`` has ``torch.amp.GradScaler``'s layout, so checkpoints
     move between the two.
@@ -128,6 +132,7 @@ class DynamicLossScaler:
         self._found_inf: torch.Tensor | None = None
         self._stepped: set[int] = set()
         self._unscaled: dict[int, torch.Tensor] = {}
+        self._in_backward: dict[int, torch.Tensor] = {}  # optimizers stepped inside backward: their found_inf
         if device is not None:
             self._lazy_init(torch.device(device))
 
@@ -178,6 +183,8 @@ class DynamicLossScaler:
             )
         if self._scale is None:
             raise RuntimeError("DynamicLossScaler.step() was called before scale(loss): the gradients are not scaled")
+        if id(optimizer) in self._in_backward:  # stepped inside backward, run by run: nothing left to step
+            return self._in_backward[id(optimizer)]
         if id(optimizer) in self._stepped:
             raise RuntimeError("DynamicLossScaler.step() was already called for this optimizer since the last update()")
         unscaled = self._unscaled.pop(id(optimizer), None)
@@ -188,6 +195,9 @@ class DynamicLossScaler:
         found_inf = found_inf.to(self._scale.device)
         self._found_inf = found_inf if self._found_inf is None else self._found_inf + found_inf
         self._stepped.add(id(optimizer))
+        # (the optimizer stepped, through step_scaled: torch's LRScheduler reads this flag, set by the step() it
+        # wraps, to warn when scheduler.step() comes first)
+        optimizer._opt_called = True
         return found_inf
 
     def unscale_(self, optimizer) -> torch.Tensor:
@@ -218,12 +228,32 @@ class DynamicLossScaler:
             self._set_scale(new_scale)
         else:
             if self._found_inf is None:
-                raise RuntimeError("DynamicLossScaler.update() was called before any step(optimizer) since the last update()")
+                raise RuntimeError("DynamicLossScaler.update() was called before any step(optimizer) since the last update() "
+                                   "(or any backward of an optimizer stepping inside backward)")
             self._apply_rule(self._found_inf)
         torch.reciprocal(self._scale, out=self._inv_scale)
         self._found_inf = None
         self._stepped.clear()
         self._unscaled.clear()
+        self._in_backward.clear()
+
+    # -- the step inside backward ------------------------------------------------------------------
+
+    def inverse_scale(self) -> torch.Tensor:
+        """``1 / S`` as a 0-d float32 tensor on the device, updated in place by :meth:`update` (the step inside
+        backward reads it for every run: :func:`dml_optim.step_in_backward` with ``scaler=``)."""
+        if self._inv_scale is None:
+            raise RuntimeError("DynamicLossScaler: scale(loss) comes before backward(): the scale is made there")
+        return self._inv_scale
+
+    def record_step(self, optimizer, found_inf: torch.Tensor) -> None:
+        """Count ``optimizer`` as stepped in this iteration with ``found_inf`` (0-d float32 on the device: how
+        many of its runs skipped an inf or NaN gradient) by the step inside backward, so that :meth:`update`
+        backs the scale off when any did; :meth:`step` then steps nothing and returns it.  No host sync."""
+        found = found_inf.to(self._scale.device, torch.float32)
+        previous = self._in_backward.get(id(optimizer))
+        self._in_backward[id(optimizer)] = found if previous is None else previous + found
+        self._found_inf = found if self._found_inf is None else self._found_inf + found
 
     def _set_scale(self, new_scale) -> None:
         if isinstance(new_scale, torch.Tensor):

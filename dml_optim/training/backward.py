@@ -45,6 +45,24 @@ as before).  ``state_dict``, low-bit state and frozen parameters work as they
 do.  With ``rounding="stochastic"`` too: its numbers are keyed on the seed,
 each element's step count and index, not on the order the runs step in.
 
+**Loss scaling** (``scaler=``: a :class:`dml_optim.DynamicLossScaler`), for
+float16 parameters, whose gradients underflow below about 6e-8: the loss is
+scaled as usual (``scaler.scale(loss).backward()``, then ``scaler.update()``),
+and each run is checked and stepped on its own as its gradients arrive: one
+reduction over the run's gradient window decides, on the device, whether they
+are all finite; the run's step is gated on that flag (a run with an inf or NaN
+gradient changes nothing: its parameters, states and step counts stay as they
+were), and its gradients are unscaled inside the rule, in float32 (no
+underflow).  The runs that were finite step; the scaler is told how many runs
+of this backward skipped and backs the scale off for the next backward when
+any did.  Nothing is read back to the host during backward (the scale's update
+is the scaler's, at most once a step).  What a skipped run means: its
+parameters missed one step, as every parameter does under a plain step's
+skip, and their step counts (bias correction) stay one behind the rest from
+then on; the scheduler steps as usual (one iteration, whatever skipped).  The
+choice, against a second backward pass (LOMO's: one pass to find an overflow,
+a second to step), is measured in docs/design.md.
+
 **Refused at setup** (``ValueError`` naming what to change), because they need
 every gradient of the model before the first parameter steps, or a step of the
 whole model at once:
@@ -53,10 +71,11 @@ whole model at once:
   together; clip per parameter (``torch.nn.utils.clip_grad_value_`` in a hook
   of your own) or step after backward;
 * gradient accumulation (``accumulation_steps > 1``): each backward steps;
-* a loss scaler (``scaler=``: ``torch.amp.GradScaler``,
-  :class:`dml_optim.DynamicLossScaler`), ``nonfinite="skip"`` and
-  ``nonfinite="raise"``: whether to skip or refuse a step is decided on all
-  gradients; use bf16 autocast, or step after backward;
+* ``torch.amp.GradScaler`` (its unscaling and skip are decided on every
+  gradient, in host code; use :class:`dml_optim.DynamicLossScaler`, whose scale
+  lives on the device), ``nonfinite="skip"`` and ``nonfinite="raise"``: whether
+  to skip or refuse a step is decided on all gradients; use the scaler, or step
+  after backward;
 * ``atomic=True`` (a failed step rolls back whole) and ``capturable=True`` (a
   step captured in a CUDA graph): both are about the whole step;
 * DDP and FSDP (``model=`` wrapped by them, or DTensor parameters): their
@@ -112,17 +131,19 @@ def _refuse(optimizer, *, max_norm, accumulation_steps, scaler, model) -> None:
         raise ValueError(
             f"accumulation_steps={accumulation_steps!r}: with the step inside backward every backward steps; "
             "accumulate by a larger batch, or call optimizer.step() every N backward passes instead")
-    if scaler is not None:
+    if scaler is not None and not (callable(getattr(scaler, "inverse_scale", None))
+                                   and callable(getattr(scaler, "record_step", None))):
         raise ValueError(
-            f"scaler={type(scaler).__name__}: a loss scaler skips the whole step when any gradient overflowed, "
-            "which is known only after the last gradient; train in bfloat16 without a scaler, or call "
-            "optimizer.step() after backward")
+            f"scaler={type(scaler).__name__}: it skips the whole step when any gradient overflowed, decided in host "
+            "code after the last gradient; pass a dml_optim.DynamicLossScaler (each run is then checked and "
+            "stepped on the device as its gradients arrive), or call optimizer.step() after backward")
     for gi, group in enumerate(optimizer.param_groups):
         if group.get("nonfinite") in ("skip", "raise"):
             raise ValueError(
                 f'param_groups[{gi}]: nonfinite="{group["nonfinite"]}" decides on every gradient of the model '
                 'whether the step happens, which is known only after the last gradient; use '
-                'nonfinite="propagate", or call optimizer.step() after backward')
+                'nonfinite="propagate" (with scaler=dml_optim.DynamicLossScaler() each run with an inf or NaN '
+                'gradient is skipped), or call optimizer.step() after backward')
         if group.get("capturable"):
             raise ValueError(
                 f"param_groups[{gi}]: capturable=True is for a whole step captured in a CUDA graph; the step inside "
@@ -158,8 +179,10 @@ def _refuse(optimizer, *, max_norm, accumulation_steps, scaler, model) -> None:
 class StepInBackward:
     """The hooks :func:`step_in_backward` installed; :meth:`remove` takes them away."""
 
-    def __init__(self, optimizer, run_bytes: int | None = None):
+    def __init__(self, optimizer, run_bytes: int | None = None, scaler: Any = None):
         self.optimizer = optimizer
+        self.scaler = scaler
+        self._found: torch.Tensor | None = None  # runs of this backward skipped (loss scaling), on the device
         self.run_bytes_option = run_bytes
         self.run_bytes = 0
         self.runs: list[_Run] = []
@@ -301,6 +324,7 @@ class StepInBackward:
                 self._step(run)
         except BaseException:  # (this backward is over: the next one starts afresh, its own checks and callback)
             self._queued = False
+            self._found = None
             for run in self.runs:
                 run.pending.clear()
             raise
@@ -317,7 +341,12 @@ class StepInBackward:
     def _step(self, run: _Run) -> None:
         grads = {run.positions[j]: g for j, g in run.pending.items()}
         run.pending.clear()
-        self.optimizer.step_run(run.buffer, grads)
+        if self.scaler is None:
+            self.optimizer.step_run(run.buffer, grads)
+        else:  # (gated on the device: the run's flag added up, read by the scaler's update)
+            finite = self.optimizer.step_run(run.buffer, grads, inv_scale=self.scaler.inverse_scale())
+            skipped = finite.logical_not().float()
+            self._found = skipped if self._found is None else self._found.add_(skipped.to(self._found.device))
         self.steps += 1
 
     def _flush(self) -> None:
@@ -325,6 +354,12 @@ class StepInBackward:
         for run in self.runs:
             if run.pending:
                 self._step(run)
+        if self.scaler is not None and self._found is not None:
+            self.scaler.record_step(self.optimizer, self._found)
+            self._found = None
+        # a scheduler stepping after this backward is stepping after an optimizer step: torch's LRScheduler reads
+        # this flag, set by the step() it wraps, to warn when scheduler.step() comes first
+        self.optimizer._opt_called = True
 
 
 def step_in_backward(optimizer, *, run_bytes: int | None = None, max_norm: float | None = None,
@@ -334,10 +369,13 @@ def step_in_backward(optimizer, *, run_bytes: int | None = None, max_norm: float
     time, and drop each gradient once its run stepped; return the handle (``remove()`` undoes it).
 
     ``run_bytes``: the largest run, in bytes of gradient (default: the largest parameter's, at least 1 MiB).
-    ``max_norm``, ``accumulation_steps``, ``scaler`` and ``model`` (DDP/FSDP) are there to be refused with
-    the reason: see the module's docstring.  Raises ``TypeError`` for an optimizer that is not dml_optim's.
+    ``scaler``: a :class:`dml_optim.DynamicLossScaler` whose scaled loss the backward passes propagate (float16
+    training): each run is unscaled, checked and gated on the device (see the module's docstring); the loop is
+    ``scaler.scale(loss).backward(); scaler.update()``.  ``max_norm``, ``accumulation_steps``, another scaler
+    (``torch.amp.GradScaler``) and ``model`` (DDP/FSDP) are there to be refused with the reason.  Raises
+    ``TypeError`` for an optimizer that is not dml_optim's.
     """
     _refuse(optimizer, max_norm=max_norm, accumulation_steps=accumulation_steps, scaler=scaler, model=model)
     if run_bytes is not None and (isinstance(run_bytes, bool) or not isinstance(run_bytes, int) or run_bytes < 0):
         raise ValueError(f"run_bytes must be None or an int >= 0, got {run_bytes!r}")
-    return StepInBackward(optimizer, run_bytes)
+    return StepInBackward(optimizer, run_bytes, scaler)
