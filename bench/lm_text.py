@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                     help="torch threads (default 1: on a shared 2-core machine two threads spin against other work)")
     ap.add_argument("--codebook", default=None,
                     help="the codebook dml_optim's low-bit states are made in (default: the active one, "
-                         "dml_optim.core.quant.ACTIVE_CODEBOOK; an earlier one to compare on the same batches)")
+                         "dml_optim.core.quant.active_codebook(); an earlier one to compare on the same batches)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.preset == "lean":
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     if args.codebook is not None:
         if args.codebook not in quant.CODEBOOKS:
             ap.error(f"--codebook: unknown codebook {args.codebook!r} (known: {', '.join(quant.CODEBOOKS)})")
-        quant.ACTIVE_CODEBOOK = args.codebook
+        quant.use_codebook(args.codebook).__enter__()  # (for the whole run)
     data, used = corpus()
     split = int(data.numel() * 0.9)
     print(f"text: {len(used)} stdlib modules, {data.numel():,} bytes ({split:,} train, {data.numel() - split:,} held out)",
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "text_modules": used, "bytes": data.numel(), "steps": args.steps,
               "batch": args.batch, "ctx": args.ctx, "d": args.d, "schedule": args.schedule, "seeds": args.seeds,
               "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
-              "backend": args.backend, "codebook": quant.ACTIVE_CODEBOOK,
+              "backend": args.backend, "codebook": quant.active_codebook(),
               "bars_pct": ({"fp16 8-bit": 1.0, "fp16 4-bit": 1.5} if args.preset == "lean" else {"8-bit": 0.25, "4-bit": 0.75}),
               "machine": _machine(), "rows": rows}
     if args.out:

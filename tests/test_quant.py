@@ -389,16 +389,18 @@ def test_checkpoint_formats_stay_readable():
 
 
 def test_chunk_elements():
+    from dml_optim.backends.eager import chunk_elements  # (the eager backend's chunk sizing)
+
     mib = 1 << 20
     # 12 bytes of scratch per chunk element: 32 MiB gives chunks of at most 2.79M elements, made equal
-    size = Q.chunk_elements(25_600_000, 12, ops_per_chunk=27)
+    size = chunk_elements(25_600_000, 12, ops_per_chunk=27)
     assert size % 256 == 0 and size * 12 <= 32 * mib
     assert -(-25_600_000 // size) == 10
-    big = Q.chunk_elements(124_000_000, 12, ops_per_chunk=27)  # 0.5 B/param: 62 MB of scratch
+    big = chunk_elements(124_000_000, 12, ops_per_chunk=27)  # 0.5 B/param: 62 MB of scratch
     assert big * 12 <= 0.5 * 124_000_000 and -(-124_000_000 // big) == 25
-    assert Q.chunk_elements(1000, 12, ops_per_chunk=27) == 1024  # one chunk, whole blocks
+    assert chunk_elements(1000, 12, ops_per_chunk=27) == 1024  # one chunk, whole blocks
     with pytest.raises(ValueError, match="over 200"):
-        Q.chunk_elements(25_600_000, 12, ops_per_chunk=27, max_ops=200)
+        chunk_elements(25_600_000, 12, ops_per_chunk=27, max_ops=200)
 
 
 @pytest.mark.parametrize("fmt", [f for f in CURRENT if f.kind == "root"], ids=lambda f: f.name)

@@ -58,7 +58,7 @@ from dml_optim.backends.inductor import (_dynamo_counters, _denormals_flushed, _
                                          _has_option, _options, compile_available, start_thread_pool)
 from dml_optim.backends.modes import counting_kernels, dispatch_mode_active, is_compiling
 from dml_optim.core.dtypes import compute_dtype
-from dml_optim.core.quant import QuantizedState, chunk_elements, warm_tables
+from dml_optim.core.quant import QuantizedState, warm_tables
 from dml_optim.core.update import (KernelKey, MaskedKey, coefficient_dtype, fused_step, kernel_operands,
                                    masked_step)
 
@@ -341,7 +341,7 @@ class CompiledBackend:
         nothing_per_element = flat.device.type in _ONE_CALL_DEVICES and len(_RECOMPUTE) == len(_REALIZE_OPTIONS)
         if not flat.bits or not n or nothing_per_element:
             return numel
-        return chunk_elements(numel, 4 * n, ops_per_chunk=0, align=flat.align,
+        return _eager.chunk_elements(numel, 4 * n, ops_per_chunk=0, align=flat.align,
                               max_scratch=_eager.scratch_budget(flat.numel))
 
     def _operands(self, key: KernelKey, group, flat, start: int, end: int, count, finite, window=None) -> list:

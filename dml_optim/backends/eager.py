@@ -13,7 +13,7 @@ Every op of :mod:`dml_optim.core.functional` is a native DirectML kernel, so thi
   larger): full size when that fits, or when nothing converts on a device outside
   :data:`PLAIN_CHUNK_DEVICES`; else the rule runs chunk by chunk.  Converted operands (a wider compute
   dtype, Kahan summation) take chunks of :data:`~dml_optim.core.options.CHUNK_ELEMENTS` elements; a
-  quantized buffer's chunks are sized by :func:`~dml_optim.core.quant.chunk_elements` (its scratch: the
+  quantized buffer's chunks are sized by :func:`chunk_elements` (its scratch: the
   rule's, one decoded buffer per state, the encoder's per-block divisor, the decoder's index), decoded
   into the scratch, encoded in place, its parameters' padding zeroed by position
   (:func:`padding_positions`): nothing is allocated after the first step.  A plan names both
@@ -33,12 +33,11 @@ import torch
 from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, StepRequest, grad_range, runtime
 from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, converts
 from dml_optim.core.options import CHUNK_ELEMENTS
-from dml_optim.core.quant import chunk_elements
 from dml_optim.core.packing import storage_less_device
 from dml_optim.core.update import (AS_DEVICE, coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule,
                                    step_scalars, storage_dtype)
 
-__all__ = ["EagerBackend", "BACKEND", "MASKED_DEVICES", "MIN_SCRATCH", "SCRATCH_PER_ELEMENT", "PLAIN_CHUNK_DEVICES",
+__all__ = ["EagerBackend", "BACKEND", "chunk_elements", "MASKED_DEVICES", "MIN_SCRATCH", "SCRATCH_PER_ELEMENT", "PLAIN_CHUNK_DEVICES",
            "several_counts", "masks", "ensure_scratch", "scratch_layout", "scratch_budget", "laid_out_as", "padding_positions",
            "plan_updates", "masked_plan", "steady_call", "apply_class", "apply_range", "apply_masked", "forget_device_counts"]
 
@@ -107,11 +106,30 @@ def masks(group, flat, masked_kernel: bool) -> bool:
     return masked_kernel
 
 
+def chunk_elements(numel: int, bytes_per_element: int, *, ops_per_chunk: int, max_scratch: int | None = None,
+                   min_scratch: int = MIN_SCRATCH, scratch_per_param: float = SCRATCH_PER_ELEMENT,
+                   max_ops: int | None = None, align: int = 256) -> int:
+    """How many elements one chunk of an eager step over ``numel`` elements takes, at ``bytes_per_element`` bytes of
+    scratch per chunk element: the scratch may be ``max(min_scratch, scratch_per_param * numel)`` bytes
+    (``max_scratch`` overrides); the chunks are made equal, rounded up to ``align`` (whole blocks); with
+    ``max_ops``, ValueError if the step would dispatch more than ``max_ops`` ops (``ops_per_chunk`` each)."""
+    if numel <= 0:
+        return 0
+    budget = max_scratch if max_scratch is not None else max(min_scratch, int(scratch_per_param * numel))
+    largest = max(align, budget // max(1, bytes_per_element) // align * align)
+    chunks = -(-numel // largest)
+    size = -(-numel // chunks)
+    size = -(-size // align) * align
+    if max_ops is not None and chunks * ops_per_chunk > max_ops:
+        raise ValueError(f"{numel} elements in chunks of {size} take {chunks * ops_per_chunk} ops, over {max_ops}")
+    return min(size, -(-numel // align) * align)
+
+
 def ensure_scratch(opt, group, flat, gated: bool, compiled: bool) -> None:
     """Scratch for the eager rule: full size, or one chunk when it converts; none for a compiled
     buffer (the fused kernel needs none; an eager call on it, under a dispatch mode, allocates).
 
-    A quantized buffer's chunk is sized by :func:`~dml_optim.core.quant.chunk_elements`: its scratch (the
+    A quantized buffer's chunk is sized by :func:`chunk_elements`: its scratch (the
     rule's, one decoded buffer per state, the encoder's per-block divisor, the decoder's int32 index,
     which shares the rule's first scratch tensor when it has one) stays within 32 MiB or 0.5 bytes per
     element, whichever is larger, in as few equal chunks as that allows (:func:`scratch_layout`)."""

@@ -6,7 +6,7 @@ round-robin in one process (:func:`~dml_optim.benchmark.timing.round_robin`):
 
 * ``torch fused``: ``torch.optim.AdamW(fused=True)``, FP32 state (8 bytes per parameter);
 * ``dml_optim 8-bit`` / ``dml_optim 4-bit``: ``dml_optim.AdamW(state_bits=...)``, the backend
-  ``auto`` picks (recorded), in the codebook new states use (``quant.ACTIVE_CODEBOOK``);
+  ``auto`` picks (recorded), in the codebook new states use (``quant.active_codebook()``);
 * ``dml_optim 8-bit blockwise-1`` / ``blockwise-2``: the same with its states made in that earlier codebook
   (the first: dynamic exponent; the second: asinh and power codes, table gathers in the compiled kernel), side
   by side in the same rounds with the third (``dml_optim 8-bit``: fourth-root codes);
@@ -62,12 +62,9 @@ def _codebook(name: str):
     """New states in the codebook a candidate names (``... blockwise-N``), else the active one."""
     from dml_optim.core import quant
 
-    book = f"dml-optim-{name.split()[-1]}" if "blockwise" in name else quant.ACTIVE_CODEBOOK
-    saved, quant.ACTIVE_CODEBOOK = quant.ACTIVE_CODEBOOK, book
-    try:
+    book = f"dml-optim-{name.split()[-1]}" if "blockwise" in name else quant.active_codebook()
+    with quant.use_codebook(book):
         yield
-    finally:
-        quant.ACTIVE_CODEBOOK = saved
 
 
 def _unavailable(name: str, device: torch.device) -> str | None:

@@ -11,7 +11,7 @@ from dml_optim.job import toy
 from dml_optim.optimizers.spec import IMPLEMENTATION_FLAGS
 from dml_optim.core.options import OPTION_NAMES
 from dml_optim.optimizers.registry import NAMES, spec
-from dml_optim.precision import epsilon_name
+from dml_optim.optimizers.registry import epsilon_name
 from dml_optim.job.train import (
     DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEVICES, DTYPES, FP16_EPSILON, ROUNDINGS, RunResult, TrainConfig,
 )
@@ -33,6 +33,8 @@ examples:
   dml-optim train --optimizer adamw --compare-torch  # against torch.optim.AdamW
   dml-optim train --dtype float16 --steps 300
   dml-optim train --dtype mixed                # FP16 params, FP32 master weights, loss scaling
+  dml-optim train --optimizer adamw --dtype float16 --rounding stochastic --state-bits 8 --step-in-backward
+                                               # DirectML's lean configuration (no bfloat16 on DirectML)
   dml-optim train --optimizer momentum --lr 0.1 --json
 
 default learning rates: {', '.join(f'{name} {spec(name).train_lr:g}' for name in NAMES)}
@@ -79,12 +81,19 @@ def add_parser(sub):
     p.add_argument("--state-bits", type=int, choices=(8, 4), default=None,
                    help="dml_optim's optimizer state in 8 or 4 bits per value, block-quantized (default: full precision)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="float32; float16 (FP16 params and state); mixed (FP16 params, FP32 master "
-                        "weights and state, dynamic loss scaling) (default: float32)")
+                   help="float32; float16 (FP16 params and state; DirectML's half precision); bfloat16 (BF16 "
+                        "params: CPU and CUDA only, it does not run on DirectML, which has no bfloat16); mixed (FP16 "
+                        "params, FP32 master weights and state, dynamic loss scaling). DirectML's lean configuration: "
+                        "--dtype float16 --rounding stochastic --state-bits 8 --step-in-backward (default: float32)")
     p.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
-                   help="ours: how float16/bfloat16 parameters are rounded after the update (default: nearest)")
+                   help="ours: how float16/bfloat16 parameters are rounded after the update; stochastic with "
+                        "--dtype float16 is DirectML's lean configuration (bfloat16 does not run on DirectML) "
+                        "(default: nearest)")
     p.add_argument("--step-in-backward", action="store_true",
-                   help="ours: step each run of parameters inside backward, its gradients then dropped")
+                   help="ours: step each run of parameters inside backward, its gradients then dropped; with --dtype "
+                        "float16 the loss is scaled inside backward (a DynamicLossScaler: each run unscaled and "
+                        "checked as its gradients arrive), DirectML's lean configuration with --rounding stochastic "
+                        "--state-bits 8")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto = DirectML, else CUDA, else CPU (default: auto)")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the data, the initial weights and the batches (default: 0)")

@@ -40,7 +40,7 @@ import torch.nn.functional as nnf
 from dml_optim.devices import DEVICES, fallback_counter, resolve as resolve_device
 from dml_optim.job import toy
 from dml_optim.optimizers import registry
-from dml_optim.precision import epsilon_name
+from dml_optim.optimizers.registry import epsilon_name
 from dml_optim.core.quant import MIN_ELEMENTS, QuantizedState
 
 __all__ = [

@@ -28,7 +28,8 @@ from dml_optim.optimizers.momentum import Momentum
 from dml_optim.optimizers.sgd import SGD
 from dml_optim.optimizers.spec import OptimizerSpec
 
-__all__ = ["OPTIMIZERS", "NAMES", "get", "spec", "name_of", "build", "torch_equivalent", "check_hyperparameters", "lr_for"]
+__all__ = ["OPTIMIZERS", "NAMES", "get", "spec", "name_of", "build", "torch_equivalent", "check_hyperparameters", "lr_for",
+           "epsilon_name", "ours_for_torch"]
 
 #: Registry name → class, in the order the CLI and the docs list them.
 OPTIMIZERS: dict[str, type[FlatOptimizer]] = {cls.spec.name: cls for cls in (Adam, DmlAdam, AdamW, Adagrad, Momentum, SGD)}
@@ -56,6 +57,23 @@ def name_of(optimizer) -> str:
         if issubclass(cls, registered):
             return name
     raise ValueError(f"{cls.__name__} is not a registered dml_optim optimizer ({', '.join(NAMES)})")
+
+
+def ours_for_torch(name: str, key: str) -> tuple[str, ...]:
+    """Our hyperparameter names for torch.optim's ``key`` in ``name``'s spec (empty when it has none)."""
+    twin = spec(name).torch
+    for alias in twin.aliases:
+        if alias.torch == key:
+            return alias.ours
+    if key in twin.same:
+        return (key,)
+    return tuple(ours for ours, theirs in twin.nearest.items() if theirs == key)
+
+
+def epsilon_name(name: str) -> str | None:
+    """The name of ``name``'s epsilon (the hyperparameter torch.optim calls ``eps``), or None (Momentum)."""
+    names = ours_for_torch(name, "eps")
+    return names[0] if names else None
 
 
 def check_hyperparameters(name: str, hyper: dict[str, Any]) -> None:

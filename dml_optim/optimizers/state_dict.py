@@ -160,7 +160,7 @@ def marker(opt, state: dict) -> dict[str, Any]:
     it holds quantized states)."""
     meta: dict[str, Any] = {"format_version": STATE_DICT_FORMAT_VERSION, "optimizer": type(opt).__name__}
     if any(isinstance(k, str) and k.endswith(CODES) for entry in state.values() if isinstance(entry, dict) for k in entry):
-        meta["quantization"] = quant.ACTIVE_CODEBOOK  # (the codebook states are created and loaded in)
+        meta["quantization"] = quant.active_codebook()  # (the codebook states are created and loaded in)
     rounding = rounding_state(opt)
     if rounding is not None:  # rounding="stochastic": the seed of its counter-based numbers (a resumed run draws on)
         meta["rounding_seed"] = rounding

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import torch
 
 from dml_optim.optimizers import FlatOptimizer, registry
+from dml_optim.optimizers.registry import epsilon_name, ours_for_torch  # (re-exported: precision's public names)
 from dml_optim.precision.configs import REFERENCE, Config
 
 __all__ = [
@@ -78,17 +79,6 @@ def _has_float64(name: str) -> bool:
     return torch.float64 in registry.get(name).dtypes
 
 
-def _ours_for_torch(name: str, key: str) -> tuple[str, ...]:
-    """Our hyperparameter names for torch.optim's ``key`` in ``name``'s spec (empty when it has none)."""
-    twin = registry.spec(name).torch
-    for alias in twin.aliases:
-        if alias.torch == key:
-            return alias.ours
-    if key in twin.same:
-        return (key,)
-    return tuple(ours for ours, theirs in twin.nearest.items() if theirs == key)
-
-
 def second_moment(name: str) -> tuple[str | None, str | None]:
     """``(state, decay)``: the state holding ``name``'s second moment and the hyperparameter it decays by.
 
@@ -99,13 +89,9 @@ def second_moment(name: str) -> tuple[str | None, str | None]:
     """
     states = registry.get(name).state_names
     if "exp_avg_sq" in states:
-        return "exp_avg_sq", _ours_for_torch(name, "betas")[1]
+        return "exp_avg_sq", ours_for_torch(name, "betas")[1]
     if "sum" in states:
         return "sum", None
     return None, None
 
 
-def epsilon_name(name: str) -> str | None:
-    """The name of ``name``'s epsilon (the hyperparameter torch.optim calls ``eps``), or None (Momentum)."""
-    names = _ours_for_torch(name, "eps")
-    return names[0] if names else None
