@@ -23,12 +23,21 @@ loss (mean over seeds).  This is a bench row, not a timed test.
 
 ``--preset lean`` (issue 49): the lean configurations beside FP32 AdamW (torch's and ours) on the same
 batches, the model d=128, batch 32, 400 steps, lr 3e-3 with a linear warm-up over the first 10% and a cosine
-decay to 10%, 2 seeds: float16 parameters with stochastic rounding, 8-bit or 4-bit state, the step inside
-backward and dynamic loss scaling inside it (what DirectML runs), and the same in bfloat16 (not on DirectML:
-it has no bfloat16) and in float16 without loss scaling, for reference.  Bars: float16 8-bit within 1.0% of
-FP32's held-out loss, 4-bit within 1.5%.
+decay to 10%, 2 seeds, the FP32 rows with global-norm clipping at 1.0 after backward (as issue 49 measured them):
+float16 parameters with stochastic rounding, 8-bit or 4-bit state, the step inside backward and dynamic loss
+scaling inside it (what DirectML runs), and the same in bfloat16 (not on DirectML: it has no bfloat16) and in
+float16 without loss scaling, for reference; each lean row unclipped and "clipped by the previous norm" (at
+``--clip``, inside backward: ``step_in_backward(opt, max_norm=..., clip_by="previous_norm")``, each backward's
+gradients clipped by the previous backward's total norm, the first not clipped).  Bars: float16 8-bit within
+1.0% of FP32's held-out loss, 4-bit within 1.5%.
 
     .venv/bin/python bench/lm_text.py --preset lean --out bench/results/lm-text-lean-<date>.json
+
+Diagnostic rows, run only when named with ``--only``: the float16 8-bit configuration clipped by the current
+norm after backward (``scaler.unscale_``, ``dml_optim.clip_grad_norm_``, ``scaler.step``: what the staleness
+costs), FP32 clipped by the previous norm inside backward (the staleness alone) and float16 with 32-bit state
+clipped by the previous norm (the 8-bit state's share).  Each clipped run records its gradient norms: the first,
+the mean and the fraction of steps above ``--clip``.
 """
 
 from __future__ import annotations
@@ -96,22 +105,39 @@ class ByteLM(nn.Module):
         return self.head(self.ln(x))
 
 
-#: The lean configurations (issue 49): name -> (parameter dtype, state bits, loss scaling inside backward).
-LEAN = {"dml_optim fp16 SR 8-bit in-backward scaled": (torch.float16, 8, True),
-        "dml_optim fp16 SR 4-bit in-backward scaled": (torch.float16, 4, True),
-        "dml_optim fp16 SR 8-bit in-backward unscaled": (torch.float16, 8, False),
-        "dml_optim bf16 SR 8-bit in-backward (not on DirectML)": (torch.bfloat16, 8, False),
-        "dml_optim bf16 SR 4-bit in-backward (not on DirectML)": (torch.bfloat16, 4, False)}
+#: The lean configurations (issue 49): name -> (parameter dtype, state bits, loss scaling, clipping).  Clipping:
+#: None, "previous" (inside backward, by the previous backward's norm) or "after" (after backward, by the current
+#: norm: the step is then not inside backward).  Parameters below float32 round stochastically.
+LEAN = {"dml_optim fp16 SR 8-bit in-backward scaled": (torch.float16, 8, True, None),
+        "dml_optim fp16 SR 4-bit in-backward scaled": (torch.float16, 4, True, None),
+        "dml_optim fp16 SR 8-bit in-backward unscaled": (torch.float16, 8, False, None),
+        "dml_optim bf16 SR 8-bit in-backward (not on DirectML)": (torch.bfloat16, 8, False, None),
+        "dml_optim bf16 SR 4-bit in-backward (not on DirectML)": (torch.bfloat16, 4, False, None),
+        "dml_optim fp16 SR 8-bit in-backward scaled, clipped by the previous norm": (torch.float16, 8, True, "previous"),
+        "dml_optim fp16 SR 4-bit in-backward scaled, clipped by the previous norm": (torch.float16, 4, True, "previous"),
+        "dml_optim bf16 SR 8-bit in-backward, clipped by the previous norm (not on DirectML)":
+            (torch.bfloat16, 8, False, "previous"),
+        "dml_optim bf16 SR 4-bit in-backward, clipped by the previous norm (not on DirectML)":
+            (torch.bfloat16, 4, False, "previous")}
+#: Diagnostic rows (``--only``): where the clipped float16 8-bit row's distance from FP32 comes from.
+DIAGNOSTIC = {"diagnostic: dml_optim fp16 SR 8-bit scaled, clipped by the current norm after backward":
+                  (torch.float16, 8, True, "after"),
+              "diagnostic: dml_optim FP32 in-backward, clipped by the previous norm": (torch.float32, None, False, "previous"),
+              "diagnostic: dml_optim fp16 SR 32-bit state in-backward scaled, clipped by the previous norm":
+                  (torch.float16, None, True, "previous")}
+LEAN_AND_DIAGNOSTIC = {**LEAN, **DIAGNOSTIC}
 
 
 def build(name: str, params, backend: str):
     if name == "torch AdamW (FP32)":
         return torch.optim.AdamW(params, **HYPER)
-    if name in LEAN:
+    if name in LEAN_AND_DIAGNOSTIC:
         import dml_optim
 
         # (an epsilon float16 holds: 1e-8 is below its smallest subnormal, 6e-8; the state is float32 anyway)
-        return dml_optim.AdamW(params, state_bits=LEAN[name][1], backend=backend, rounding="stochastic", **HYPER)
+        dtype, bits = LEAN_AND_DIAGNOSTIC[name][:2]
+        rounding = "stochastic" if dtype != torch.float32 else "nearest"
+        return dml_optim.AdamW(params, state_bits=bits, backend=backend, rounding=rounding, **HYPER)
     if name.startswith("dml_optim"):
         import dml_optim
 
@@ -131,6 +157,12 @@ CANDIDATES = ["torch AdamW (FP32)", "dml_optim FP32", "dml_optim 8-bit", "dml_op
 _PACKAGE = {"bitsandbytes AdamW8bit": "bitsandbytes", "torchao AdamW8bit": "torchao", "torchao AdamW4bit": "torchao"}
 
 
+def dml_optim_clip(opt, max_norm: float) -> torch.Tensor:
+    import dml_optim
+
+    return dml_optim.clip_grad_norm_(opt, max_norm)
+
+
 def schedule(kind: str, steps: int):
     """The lr multiplier per step: constant, or a linear warm-up over the first 10% then a cosine decay to 10%."""
     if kind == "constant":
@@ -140,19 +172,24 @@ def schedule(kind: str, steps: int):
 
 
 def run(name: str, seed: int, data: torch.Tensor, split: int, steps: int, batch: int, ctx: int, backend: str,
-        d: int = 64, sched: str = "constant"):
+        d: int = 64, sched: str = "constant", clip: float | None = None):
     torch.manual_seed(seed)
     model = ByteLM(d=d, ctx=ctx)
-    dtype, _, scaled = LEAN.get(name, (torch.float32, None, False))
+    lean = name in LEAN_AND_DIAGNOSTIC
+    dtype, _, scaled, clipping = LEAN_AND_DIAGNOSTIC.get(name, (torch.float32, None, False, None))
     model.to(dtype)
     opt = build(name, model.parameters(), backend)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(sched, steps))
     scaler = inside = None
-    if name in LEAN:
+    norms = []  # the gradient norms of a clipped run (unscaled, before clipping)
+    if lean:
         import dml_optim
 
         scaler = dml_optim.DynamicLossScaler() if scaled else None
-        inside = dml_optim.step_in_backward(opt, scaler=scaler)
+        if clipping == "previous":
+            inside = dml_optim.step_in_backward(opt, scaler=scaler, max_norm=clip, clip_by="previous_norm")
+        elif clipping is None:
+            inside = dml_optim.step_in_backward(opt, scaler=scaler)
     gen = torch.Generator().manual_seed(1000 + seed)
     starts = torch.randint(0, split - ctx - 1, (steps, batch), generator=gen)
     hold = torch.arange(split, data.numel() - ctx - 1, ctx)[:256]
@@ -165,10 +202,20 @@ def run(name: str, seed: int, data: torch.Tensor, split: int, steps: int, batch:
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         (scaler.scale(loss) if scaler is not None else loss).backward()
+        if inside is not None and inside.total_norm is not None:
+            norms.append(inside.total_norm.item())
         if scaler is not None:
+            if inside is None:  # (clipped after backward, by the current norm: unscaled first)
+                scaler.unscale_(opt)
+                norms.append(dml_optim_clip(opt, clip).item())
             skipped += float(scaler.step(opt))  # (inside backward: the runs this backward skipped, already stepped)
             scaler.update()
         elif inside is None:
+            if clip is not None:  # (global-norm clipping by the current norm: every gradient at once, after backward)
+                if name.startswith("dml_optim"):
+                    norms.append(dml_optim_clip(opt, clip).item())
+                else:
+                    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
             opt.step()
         lr_sched.step()
     seconds = time.perf_counter() - t0
@@ -180,6 +227,9 @@ def run(name: str, seed: int, data: torch.Tensor, split: int, steps: int, batch:
             total += F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="sum").item()
         held = total / (hold.numel() * ctx)
     out = {"held_out_loss": held, "train_loss": loss.item(), "seconds": seconds}
+    if norms and clip is not None:
+        out.update(grad_norm_first=norms[0], grad_norm_mean=sum(norms) / len(norms),
+                   steps_above_clip=sum(n > clip for n in norms) / len(norms))
     if scaler is not None:
         out.update(skipped_runs=skipped, final_scale=scaler.get_scale())
     return out
@@ -199,11 +249,17 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--d", type=int, default=64, help="the model's width (default 64)")
     ap.add_argument("--schedule", choices=("constant", "warmup-cosine"), default="constant")
+    ap.add_argument("--clip", type=float, default=None,
+                    help="global-norm clipping: the rows that step after backward by the current norm, the lean rows "
+                         "named 'clipped by the previous norm' inside backward by the previous backward's norm; "
+                         "--preset lean: 1.0, as issue 49 measured FP32")
     ap.add_argument("--preset", choices=("lean",), default=None,
                     help="lean: issue 49's row (d=128, batch 32, 400 steps, warm-up and cosine, 2 seeds; FP32 and the "
                          "lean configurations); explicit options still win")
     ap.add_argument("--backend", default="eager", help="dml_optim's backend (default eager: what DirectML runs)")
-    ap.add_argument("--only", nargs="*", default=None, help="candidates to run (default: all installed)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="candidates to run (default: all installed; --preset lean: FP32 and the lean rows), by name: "
+                         + "; ".join(repr(n) for n in [*CANDIDATES, *LEAN_AND_DIAGNOSTIC]))
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared 2-core machine two threads spin against other work)")
     ap.add_argument("--codebook", default=None,
@@ -214,11 +270,17 @@ def main(argv=None) -> int:
     if args.preset == "lean":
         given = set(argv if argv is not None else sys.argv[1:])
         for flag, attr, value in (("--d", "d", 128), ("--batch", "batch", 32), ("--steps", "steps", 400),
-                                  ("--schedule", "schedule", "warmup-cosine")):
+                                  ("--schedule", "schedule", "warmup-cosine"), ("--clip", "clip", 1.0)):
             if flag not in given:
                 setattr(args, attr, value)
         if args.only is None:
             args.only = ["torch AdamW (FP32)", "dml_optim FP32", *LEAN]
+    clipped = [n for n in args.only or () if LEAN_AND_DIAGNOSTIC.get(n, (None,) * 4)[3] is not None]
+    if clipped and args.clip is None:
+        ap.error(f"{clipped[0]!r} clips: give --clip")
+    unknown = [n for n in args.only or () if n not in CANDIDATES and n not in LEAN_AND_DIAGNOSTIC]
+    if unknown:
+        ap.error(f"--only: unknown candidate {unknown[0]!r}")
     torch.set_num_threads(args.threads)
     from dml_optim.core import quant
 
@@ -238,7 +300,8 @@ def main(argv=None) -> int:
             continue
         runs = []
         for seed in args.seeds:
-            r = run(name, seed, data, split, args.steps, args.batch, args.ctx, args.backend, args.d, args.schedule)
+            r = run(name, seed, data, split, args.steps, args.batch, args.ctx, args.backend, args.d, args.schedule,
+                    args.clip)
             runs.append(r)
             print(f"  {name:24} seed {seed}: held-out {r['held_out_loss']:.5f}  ({r['seconds']:.1f} s)", flush=True)
         rows.append({"candidate": name, "available": True, "runs": runs,
@@ -250,7 +313,8 @@ def main(argv=None) -> int:
             print(f"{r['candidate']:24} {r['held_out_loss']:.5f}  {r['vs_fp32_pct']:+.3f}% vs FP32")
     result = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(["bench/lm_text.py"] + (argv or sys.argv[1:])),
               "torch": torch.__version__, "text_modules": used, "bytes": data.numel(), "steps": args.steps,
-              "batch": args.batch, "ctx": args.ctx, "d": args.d, "schedule": args.schedule, "seeds": args.seeds,
+              "batch": args.batch, "ctx": args.ctx, "d": args.d, "schedule": args.schedule, "clip": args.clip,
+              "seeds": args.seeds,
               "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
               "backend": args.backend, "codebook": quant.active_codebook(),
               "bars_pct": ({"fp16 8-bit": 1.0, "fp16 4-bit": 1.5} if args.preset == "lean" else {"8-bit": 0.25, "4-bit": 0.75}),

@@ -9,6 +9,8 @@ stochastic rounding reproducible; the refusals at setup and the changes a backwa
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -210,7 +212,11 @@ def _opt(**options):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(max_norm=1.0), "global-norm clipping"),
+    (dict(max_norm=1.0), r"global-norm clipping by this backward's norm .* clip_by=\"previous_norm\""),
+    (dict(clip_by="previous_norm"), "needs max_norm"),
+    (dict(max_norm=1.0, clip_by="current_norm"), "clip_by must be None or one of"),
+    (dict(max_norm=-1.0, clip_by="previous_norm"), "max_norm must be >= 0"),
+    (dict(max_norm=float("inf"), clip_by="previous_norm"), "max_norm must be finite"),
     (dict(accumulation_steps=4), "every backward steps"),
     (dict(scaler=object()), "pass a dml_optim.DynamicLossScaler"),
     (dict(scaler=torch.amp.GradScaler("cpu")), r"scaler=GradScaler: .* pass a dml_optim.DynamicLossScaler"),
@@ -560,3 +566,288 @@ def test_loss_scaling_inside_backward_keeps_gradients_float16_cannot_hold():
     target = torch.linspace(-1, 1, 64, dtype=torch.float64)
     expected = (1.0 - 1e-2 * torch.sign(target)).half().double()  # (AdamW step 1: m / sqrt(v) = sign(g))
     assert torch.equal(run(True), expected)
+
+
+# -- clipping by the previous backward's norm (issue 49) ----------------------------------------------------------
+
+
+class _Exact(torch.nn.Module):
+    """Four 64 x 64 weights and the loss ``sum_i <w_i, X_i>``: the gradient of ``w_i`` is ``X_i`` (times the loss
+    scale), exactly, in float32 and float16, whatever the weights.  Each ``X_i`` is ``+-a_i`` at random signs, so
+    ``w_i``'s gradient norm is ``64 a_i`` and the total ``64 sqrt(sum a_i^2)``: exact in float32 in any order of
+    summation when ``sum a_i^2`` is a perfect square (the reference and the runs then agree on the norm bit for
+    bit, whatever order each adds in).  With ``run_bytes=0`` each weight is a run of its own."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w = torch.nn.ParameterList(torch.nn.Parameter((0.1 * torch.randn(64, 64, generator=gen)).to(dtype))
+                                        for _ in range(4))
+
+    def forward(self, xs):
+        return sum((w.float() * x).sum() for w, x in zip(self.w, xs))
+
+
+def _exact_batch(i: int, magnitudes) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(200 + i)
+    return [a * (2 * torch.randint(0, 2, (64, 64), generator=gen) - 1).float() for a in magnitudes]
+
+
+def _reference_norm(grads, inv_scale: float = 1.0) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s total norm (the norm of the per-tensor norms, torch.nn.utils.get_total_norm),
+    of float32 copies, unscaled."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) * inv_scale
+
+
+def _reference_coef(max_norm: float, total: torch.Tensor) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s coefficient (clip_grads_with_norm_)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+#: float32: per weight (a_1, ..., a_4), each step's sum of squares a perfect square: totals 5, 9, 0.5, 2.5, 18, 2
+#: under max_norm 1: coefficients 1/5, 1/9, 1 (clamped), 2/5, 1/18, each with torch's 1e-6 (a few float32 ulps).
+_F32_STEPS = [tuple(a / 64 for a in (1, 2, 2, 4)), tuple(a / 64 for a in (2, 4, 5, 6)), (1 / 256,) * 4,
+              tuple(a / 128 for a in (1, 2, 2, 4)), tuple(a / 32 for a in (2, 4, 5, 6)), (1 / 64,) * 4]
+#: float16 with loss scale 2**10: totals 128 a, powers of two of 32 and more (torch's 1e-6 is below half their
+#: float32 ulp), under max_norm 64: each coefficient a power of two (1/2, 1/4, 1 clamped, 1/2, 1/8), so the
+#: reference's float16 multiply by it is exact, as the rule's float32 one is.
+_F16_STEPS = [(1.0,) * 4, (2.0,) * 4, (0.25,) * 4, (1.0,) * 4, (4.0,) * 4, (0.5,) * 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16-scaled"])
+def test_clipping_by_the_previous_norm_equals_a_plain_loop_bit_for_bit(dtype):
+    """``step_in_backward(opt, max_norm=..., clip_by="previous_norm")`` against a plain loop written here: after
+    each backward it takes the total norm as torch.nn.utils.clip_grad_norm_ does, multiplies the gradients by
+    torch's coefficient of the *previous* backward's norm and steps; the first backward steps nothing (no norm to
+    clip it by).  float32 (the gradients multiplied before the step, torch's fused kernel's path) and the lean
+    configuration (float16 parameters, stochastic rounding, 8-bit state, eager: DirectML's path, a
+    DynamicLossScaler whose ``1 / S`` carries the coefficient into the rule): parameters and states bit for bit,
+    ``handle.total_norm`` the reference's each step, the coefficients varying (clamped at 1 in one step)."""
+    import dml_optim
+
+    scaled = dtype == torch.float16
+    steps, max_norm = (_F16_STEPS, 64.0) if scaled else (_F32_STEPS, 1.0)
+    options = dict(backend="eager", state_bits=8, rounding="stochastic") if scaled else {}
+    scale = 2.0**10
+    nets, opts = [], []
+    for _ in range(2):
+        nets.append(_Exact(dtype))
+        torch.manual_seed(3)  # (the seed of stochastic rounding)
+        opts.append(build("adamw", list(nets[-1].parameters()), lr=1e-2, eps=1e-4, **options))
+    (plain, inside), (opt_a, opt_b) = nets, opts
+    scaler = dml_optim.DynamicLossScaler(init_scale=scale, growth_interval=1000) if scaled else None
+    handle = step_in_backward(opt_b, run_bytes=0, max_norm=max_norm, clip_by="previous_norm", scaler=scaler)
+    assert len(handle.runs) == 4
+    coef, totals = None, []
+    for i, magnitudes in enumerate(steps):
+        xs = _exact_batch(i, magnitudes)
+        # the plain loop: torch's norm, the previous backward's coefficient, a plain (scaled) step
+        loss = plain(xs)
+        (loss * scale if scaled else loss).backward()
+        grads = [p.grad for p in plain.parameters()]
+        total = _reference_norm(grads, 1 / scale if scaled else 1.0)
+        if coef is not None:
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+            if scaled:
+                opt_a.step_scaled(torch.tensor(1 / scale))
+            else:
+                opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+        coef = _reference_coef(max_norm, total)
+        totals.append(float(total))
+        # the step inside backward
+        loss = inside(xs)
+        (scaler.scale(loss) if scaled else loss).backward()
+        if scaled:
+            scaler.update()
+        opt_b.zero_grad(set_to_none=True)
+        assert torch.equal(handle.total_norm, total), (i, handle.total_norm, total)
+    assert len(set(totals)) >= 4 and min(totals) < max_norm < max(totals)
+    assert handle.steps == 4 * (len(steps) - 1)  # (the first backward measured, stepping nothing)
+    assert _same(plain, inside)
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    for k, st in sa.items():
+        for key, v in st.items():
+            assert _equal(torch.as_tensor(v), torch.as_tensor(sb[k][key])), (k, key)
+    if scaled:
+        assert scaler.get_scale() == scale  # (nothing overflowed)
+
+
+def test_the_total_norm_of_a_network_follows_torch_and_leaves_out_runs_without_a_gradient():
+    """A network with real gradients (the wide net, eager, runs of one or two parameters, a side head used every
+    other backward: its run gets no gradient then and is left out of that backward's norm, as torch leaves out a
+    parameter without one): ``handle.total_norm`` is torch.nn.utils.clip_grad_norm_'s total of the same
+    gradients to float32's summation order (rtol 1e-6: the runs add in another order than torch's one stack),
+    and the parameters follow the plain loop clipped by the previous norm (assert_close's float32 default:
+    coefficients apart by an ulp or two)."""
+    dtype = torch.float32
+
+    def net():
+        torch.manual_seed(0)
+        return _Net(128)
+
+    plain, inside = net(), net()
+    inside.side = torch.nn.Linear(128, 8 * 64).to(dtype)  # (a run of its own: 32k elements)
+    inside.head = torch.nn.Linear(128, 8 * 64).to(dtype)
+    plain.side, plain.head = copy.deepcopy(inside.side), copy.deepcopy(inside.head)
+    opt_a = build("adamw", list(plain.parameters()), lr=1e-2, backend="eager")
+    opt_b = build("adamw", list(inside.parameters()), lr=1e-2, backend="eager")
+    handle = step_in_backward(opt_b, run_bytes=0, max_norm=0.2, clip_by="previous_norm")
+    side = list(inside.side.parameters())
+    assert sum(all(any(p is q for q in side) for p in run.params) for run in handle.runs) == 1
+    coef, totals = None, []
+    for i in range(6):
+        x, y = _wide_batch(i, dtype)
+        y = y.repeat(1, 64)
+        torch.nn.functional.mse_loss(plain(x, side=i % 2 == 1), y).backward()
+        with_grad = [p for p in plain.parameters() if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        total = torch.nn.utils.clip_grad_norm_(with_grad, float("inf"))  # (max_norm inf: the norm, nothing clipped)
+        if coef is not None:
+            for g in grads:
+                g.mul_(coef)
+            opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+        coef = _reference_coef(0.2, total)
+        totals.append(float(total))
+        torch.nn.functional.mse_loss(inside(x, side=i % 2 == 1), y).backward()
+        opt_b.zero_grad(set_to_none=True)
+        torch.testing.assert_close(handle.total_norm, total, rtol=1e-6, atol=0)
+    assert min(totals) < 0.2 < max(totals)
+    for p, q in zip(plain.parameters(), inside.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_a_run_that_overflows_keeps_its_previous_norm_in_the_next_coefficient():
+    """float32 parameters and a DynamicLossScaler; in the third backward one weight's gradient overflows (inf, set
+    by a gradient hook): its run is skipped, and the total norm of that backward, which clips the next, holds that
+    run's norm of the backward before (not inf or NaN, which would poison the coefficient, nor 0, which would drop
+    the run).  Against a plain loop of one optimizer per weight (the skipped one not stepped), torch's norm over
+    the norms each weight last had, the coefficient folded into the unscaling; the scale backs off to 2**9, and
+    the next backward clips by that norm: parameters bit for bit."""
+    import dml_optim
+
+    dtype, scale, max_norm = torch.float32, 2.0**10, 1.0
+    steps = [(1 / 32,) * 4, (1 / 16,) * 4, (1 / 64,) * 4, (1 / 16,) * 4]  # totals 4, 8, (see below), 8
+    overflow_at, overflowed = 2, 1
+    plain, inside = _Exact(dtype), _Exact(dtype)
+    opts_a = [build("adamw", [w], lr=1e-2, eps=1e-4, backend="eager") for w in plain.w]
+    opt_b = build("adamw", list(inside.parameters()), lr=1e-2, eps=1e-4, backend="eager")
+    scaler = dml_optim.DynamicLossScaler(init_scale=scale, growth_interval=1000)
+    handle = step_in_backward(opt_b, run_bytes=0, max_norm=max_norm, clip_by="previous_norm", scaler=scaler)
+    last = [None] * 4  # each weight's last finite norm (unscaled)
+    coef, s = None, scale
+    for i, magnitudes in enumerate(steps):
+        xs = _exact_batch(i, magnitudes)
+        (plain(xs) * s).backward()
+        for k, (w, opt) in enumerate(zip(plain.w, opts_a)):
+            if not (i == overflow_at and k == overflowed):
+                last[k] = _reference_norm([w.grad], 1 / s)
+                if coef is not None:
+                    opt.step_scaled(torch.tensor(1 / s) * coef)
+            opt.zero_grad(set_to_none=True)
+        total = _reference_norm(last)
+        coef = _reference_coef(max_norm, total)
+        hook = inside.w[overflowed].register_hook(lambda g: torch.full_like(g, float("inf"))) if i == overflow_at else None
+        scaler.scale(inside(xs)).backward()
+        scaler.update()
+        opt_b.zero_grad(set_to_none=True)
+        if hook is not None:
+            hook.remove()
+            s /= 2  # (the scaler backed off)
+            # the overflowed weight's norm of the backward before (64 / 16) beside the others' of this one (64 / 64)
+            torch.testing.assert_close(handle.total_norm, torch.linalg.vector_norm(torch.tensor([1.0, 4.0, 1.0, 1.0])),
+                                       rtol=1e-6, atol=0)
+        assert torch.equal(handle.total_norm, total), (i, handle.total_norm, total)
+    assert scaler.get_scale() == scale / 2
+    assert _same(plain, inside)
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["float16-scaled", "float16-unscaled"])
+def test_clipping_by_the_previous_norm_reads_nothing_back_during_backward(scaled):
+    """The lean configuration (float16, stochastic rounding, 8-bit state, eager) clipped by the previous norm, with
+    and without a scaler: a backward that measures (the first) and backward passes that clip run no host sync and
+    no op DirectML would run on the CPU, whatever the number of runs (0 per run); the norm and the coefficient stay
+    on the device until the caller reads ``handle.total_norm``."""
+    import dml_optim
+    from dml_optim.audit import audit_call
+
+    net = _wide_net(torch.float16)
+    torch.manual_seed(3)
+    opt = build("adamw", list(net.parameters()), lr=1e-3, eps=1e-4, backend="eager", state_bits=8,
+                rounding="stochastic")
+    scaler = dml_optim.DynamicLossScaler(init_scale=2.0**10) if scaled else None
+    handle = step_in_backward(opt, run_bytes=0, max_norm=0.5, clip_by="previous_norm", scaler=scaler)
+    assert len(handle.runs) >= 3
+    before = [p.detach().clone() for p in net.parameters()]
+    for i in range(3):
+        x, y = _wide_batch(i, torch.float16)
+        loss = torch.nn.functional.mse_loss(net(x, side=True).float(), y.float())
+        report = audit_call(opt, lambda: (scaler.scale(loss) if scaled else loss).backward())
+        assert report.host_syncs == 0 and report.fallback_ops == 0, (i, report.host_syncs, report.fallbacks)
+        assert any(name == "aten::linalg_vector_norm" for name, _, _ in report.ops), i
+        if scaled:
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if i == 0:  # (the first backward measured: nothing moved)
+            assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+    assert handle.steps == 2 * len(handle.runs)
+    assert handle.total_norm.dim() == 0 and handle.total_norm.dtype == torch.float32
+    assert 0 < float(handle.total_norm) < float("inf")
+    assert not all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+
+
+@pytest.fixture
+def directml():
+    """The stand-in DirectML device (dml_optim.standin) under DirectML's strictest semantics: a CPU fallback
+    raises, and so does float64."""
+    from dml_optim import standin
+
+    ok, why = standin.available(load=True)
+    if not ok:
+        pytest.skip(f"the stand-in DirectML device is unavailable here: {why}")
+    standin.reset()
+    with standin.configured(strict=True, float64=False):
+        yield standin.device()
+    standin.reset()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_clipping_by_the_previous_norm_in_the_lean_configuration_on_directml(directml, bits):
+    """The lean configuration DirectML runs (float16, stochastic rounding, 8-bit or 4-bit state, the step inside
+    backward with a DynamicLossScaler) clipped by the previous norm, on the stand-in device: no fallback, no
+    float64 (the Python floats of torch's coefficient reach only ops that take them natively), and the CPU's run
+    bit for bit (parameters, total norms, the scale)."""
+    from dml_optim import standin
+    from dml_optim.backends.eager import laid_out_as
+    import dml_optim
+
+    def run(device):
+        # (tests/test_standin_project.py's model: its float16 forward is the CPU's bit for bit on the stand-in,
+        # where LayerNorm's is not)
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 130), torch.nn.Tanh(), torch.nn.Linear(130, 40), torch.nn.Tanh(),
+                                  torch.nn.Linear(40, 4)).to(device=device, dtype=torch.float16)
+        torch.manual_seed(5)
+        opt = build("adamw", list(net.parameters()), lr=1e-2, eps=1e-4, state_bits=bits, rounding="stochastic")
+        scaler = dml_optim.DynamicLossScaler(init_scale=2.0**12)
+        handle = step_in_backward(opt, run_bytes=0, max_norm=0.2, clip_by="previous_norm", scaler=scaler)
+        norms = []
+        for i in range(4):
+            x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 + i)).to(device, torch.float16)
+            scaler.scale(net(x).float().square().mean()).backward()
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            norms.append(handle.total_norm.to("cpu"))
+        assert handle.steps >= 3 * 2
+        return [p.detach().to("cpu") for p in net.parameters()], norms, scaler.get_scale()
+
+    ours, norms, scale = run(directml)
+    assert standin.fallbacks() == {} and standin.unknown() == {}
+    with laid_out_as("privateuseone"):
+        cpu, cpu_norms, cpu_scale = run(torch.device("cpu"))
+    assert scale == cpu_scale
+    assert all(torch.equal(a, b) for a, b in zip(norms, cpu_norms))
+    assert min(float(n) for n in norms) < 0.2 < max(float(n) for n in norms), norms
+    assert all(torch.equal(a, b) for a, b in zip(ours, cpu))

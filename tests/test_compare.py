@@ -29,7 +29,8 @@ def test_compare_has_every_metric_for_every_configuration(dml_adam_report):
     rep = dml_adam_report
     pairs = {(r.config, r.stream) for r in rep.results}
     assert pairs == {(c, s) for c in ("fp32", "fp16", "fp16-fp32compute", "fp16-master", "fp16-kahan", "fp16-sr",
-                                      "fp32-8bit", "fp32-4bit", "fp16-kahan-8bit", "fp16-kahan-4bit")
+                                      "fp32-8bit", "fp32-4bit", "fp16-kahan-8bit", "fp16-kahan-4bit", "fp16-sr-8bit",
+                                      "fp16-sr-4bit")
                      for s in ("recorded", "synthetic")}
     for r in rep.results:
         assert set(r.metrics) == set(P.METRICS)
@@ -73,7 +74,8 @@ def test_compare_command_writes_report_json_and_png(tmp_path, capsys):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     doc = json.loads((tmp_path / "report.json").read_text())
     n_configs, n_streams = len(doc["configs"]), len(doc["streams"])
-    assert (n_configs, n_streams) == (15, 2)
+    assert (n_configs, n_streams) == (17, 2)
+    assert {"fp16-sr-8bit", "fp16-sr-4bit"} <= {c["name"] for c in doc["configs"]}  # DirectML's lean configuration
     assert [c["name"] for c in doc["configs"]] == list(P.CONFIGS)
     assert doc["command"] == ("dml-optim compare --optimizer adam --workload mlp --steps 4 --seed 0 "
                               f"--streams recorded,synthetic --configs {','.join(P.CONFIGS)}")
@@ -157,6 +159,7 @@ def test_low_bit_findings_quote_their_memory_and_the_full_precision_twin():
 
 
 SR_CONFIGS = {"fp16-sr": (torch.float16, None), "bf16-sr": (torch.bfloat16, None),
+              "fp16-sr-8bit": (torch.float16, 8), "fp16-sr-4bit": (torch.float16, 4),
               "bf16-sr-8bit": (torch.bfloat16, 8), "bf16-sr-4bit": (torch.bfloat16, 4)}
 
 
@@ -285,3 +288,21 @@ def test_compare_command_takes_the_model_names_of_every_command(tmp_path):
         assert main(["compare", "--workload", workload, "--steps", "1", "--configs", "fp32", "--streams", "synthetic",
                      "--out", str(out), "--no-progress"]) == 0
         assert json.loads((out / "report.json").read_text())["workload"] == "tiny-mlp"
+
+
+def test_directml_s_lean_configuration_is_compared_beside_kahan_and_its_bf16_twin():
+    """Issue 49: compare runs fp16-sr-8bit (DirectML's lean configuration: it has no bfloat16); its finding quotes
+    fp16-sr (the same with FP32 states) and fp16-kahan-8bit, and bf16-sr-8bit's finding quotes its FP16 twin."""
+    names = ["fp16-sr", "fp16-kahan-8bit", "fp16-sr-8bit", "bf16-sr-8bit"]
+    rep = P.compare("adamw", steps=5, seed=2, configs=names, streams=["recorded"])
+    err = {r.config: r.metrics["final_rel_error"] for r in rep.results}
+    assert set(err) == set(names) and all(math.isfinite(e) for e in err.values())
+    assert "DirectML's lean configuration" in P.CONFIGS["fp16-sr-8bit"].description
+    assert all("CPU/CUDA only" in c.description for n, c in P.CONFIGS.items() if n.startswith("bf16"))
+    lean = next(f for f in rep.findings if f.startswith("`fp16-sr-8bit` (recorded stream): states stored in 8 bits"))
+    assert f"against {err['fp16-sr']:.3g} for `fp16-sr` (the same with FP32 states)" in lean
+    assert f"`fp16-kahan-8bit` (FP16 parameters with the same 8-bit states" in lean
+    assert "does not run on DirectML" not in lean
+    twin = next(f for f in rep.findings if f.startswith("`bf16-sr-8bit` (recorded stream): states stored in 8 bits"))
+    assert (f"BF16 does not run on DirectML (it has none): `fp16-sr-8bit`, the same in FP16 (DirectML's lean "
+            f"configuration), ends at {err['fp16-sr-8bit']:.3g}") in twin

@@ -47,6 +47,8 @@ EXPECTED = {
     # stochastic rounding: FP32 states as with Kahan, no compensation buffer
     "fp16-sr": (2, 2, 8, 0, 0),
     "bf16-sr": (2, 2, 8, 0, 0),
+    "fp16-sr-8bit": (2, 2, None, 0, 0),  # DirectML's lean configuration
+    "fp16-sr-4bit": (2, 2, None, 0, 0),
     "bf16-sr-8bit": (2, 2, None, 0, 0),
     "bf16-sr-4bit": (2, 2, None, 0, 0),
 }

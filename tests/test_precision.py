@@ -191,6 +191,36 @@ def test_stochastic_rounding_keeps_the_updates_fp16_rounds_away_on_average():
     assert 0 < sr.metrics["lost_update_fraction"] < 1.0  # moved at some steps, not at others
 
 
+def test_directml_s_lean_configuration_rounds_stochastically_over_8_bit_states():
+    """fp16-sr-8bit (float16 written by stochastic rounding, 8-bit states: DirectML's lean configuration, which has no
+    bfloat16): the case above, whose momentum buffer (a block of equal values) the 8-bit code holds exactly, keeps
+    the updates round-to-nearest loses, within the same bound; its states are stored in 8 bits."""
+    config = P.CONFIGS["fp16-sr-8bit"]
+    assert (config.param_dtype, config.state_bits, config.rounding, config.kahan) == (torch.float16, 8, "stochastic", False)
+    n, steps = 1024, 40
+    stream = _stream([1.0] * n, [[1e-4] * n] * steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res, skipped = _run("momentum", stream, ["fp16-sr-8bit"], {"lr": 1.0, "alpha": 0.0})
+    finally:
+        torch.set_num_threads(threads)
+    assert not skipped
+    target = 1.0 - steps * float(torch.tensor(1e-4, dtype=torch.float16))
+    sr = res["fp16-sr-8bit"]
+    assert sr.curve[-1] * target < 2.0**-11 * math.sqrt(steps) / 2
+    assert 0 < sr.metrics["lost_update_fraction"] < 1.0
+    opt = P.make_optimizer("adamw", [torch.nn.Parameter(torch.ones(8192, dtype=torch.float16))], config)
+    opt.param_groups[0]["params"][0].grad = torch.full((8192,), 1e-3, dtype=torch.float16)
+    opt.step()
+    flat = buffers(opt)[0]
+    assert flat.data.dtype == torch.float16 and flat.kahan is None and flat.master is None
+    from dml_optim.core.quant import tensors_of
+
+    state_bytes = sum(t.numel() * t.element_size() for s in flat.states.values() for t in tensors_of(s))
+    assert state_bytes < 2.1 * 8192  # two 8-bit states and their block scales, not 8 bytes of FP32 states
+
+
 def test_kahan_configurations_allocate_a_compensation_buffer_in_the_parameter_dtype():
     for name, dtype in (("fp16-kahan", torch.float16), ("bf16-kahan", torch.bfloat16)):
         config = P.CONFIGS[name]

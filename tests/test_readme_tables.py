@@ -162,10 +162,10 @@ def test_the_headline_tables_follow_their_sources():
     assert readme_tables.speed_headline(slower, cuda) != table
     report_text = (ROOT / readme_tables.COMPARE_REPORT).read_text(encoding="utf-8")
     precision = readme_tables.precision_headline(report_text, readme_tables.COMPARE_REPORT)
-    assert "| `fp16-kahan` | 0.000209 | 6.92% | 0.625 |" in precision.splitlines()
+    assert "| `fp16-kahan` | yes | 0.000209 | 6.92% | 0.625 |" in precision.splitlines()
     row = next(x for x in report_text.splitlines() if x.startswith("| fp16-kahan | recorded |"))
     changed = report_text.replace(row, row.replace("| 0.000209 |", "| 0.5 |"))
-    assert "| `fp16-kahan` | 0.5 | 6.92% | 0.625 |" in readme_tables.precision_headline(changed, "x").splitlines()
+    assert "| `fp16-kahan` | yes | 0.5 | 6.92% | 0.625 |" in readme_tables.precision_headline(changed, "x").splitlines()
 
 
 def _older(doc: dict) -> dict:
@@ -318,3 +318,48 @@ def test_a_document_with_the_fused_backend_says_what_auto_ran():
                                                                           "construction")} == {"fused"}
     # the document as recorded before renders as it did (the README holds it)
     assert readme_tables.bench_section(old, cuda) == readme_tables.sections(skip_measured=True)["BENCH-TABLE"]
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """The body rows of the Markdown tables in ``text``, as cells."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| configuration") and set(line) - set("|-: ")]
+
+
+def test_every_configuration_row_says_whether_it_runs_on_directml():
+    """Issue 49: DirectML has no bfloat16. Every row of the memory, 2 GB and precision tables that names a
+    configuration says whether it runs on DirectML: the bf16 rows that they do not, the float16 lean rows that
+    they are DirectML's recommended configuration; the 2 GB table's lean rows are float16."""
+    from dml_optim.benchmark.wholemem import LEAN_FP16, NOT_ON_DIRECTML, RECOMMENDED, config
+
+    sections = readme_tables.sections(skip_measured=True)
+    peak = _table_rows(sections["PEAK-TABLE"])
+    assert peak and all(len(r) == 5 and r[1] for r in peak)
+    by_label = {r[0]: r[1] for r in peak}
+    for key in LEAN_FP16:
+        assert by_label[config(key).label] == f"**{RECOMMENDED}**", key
+    bf16 = [r for r in peak if "bf16" in r[0]]
+    assert len(bf16) >= 5 and all(r[1] == NOT_ON_DIRECTML for r in bf16)
+    assert all(r[1] != NOT_ON_DIRECTML for r in peak if "bf16" not in r[0])
+    fits = sections["FITS-TABLE"]
+    measured, extrapolated = fits.split("(Extrapolated, not measured", 1)[0], fits
+    fit_rows = [r for r in _table_rows(measured) if r[0].startswith(("torch", "dml_optim"))]
+    assert [r[0] for r in fit_rows[:3]] == [config(k).label for k in ("torch-fp32", *LEAN_FP16)]
+    assert all("fp16" in r[0] and r[1] == f"**{RECOMMENDED}**" for r in fit_rows[1:3])
+    assert "| configuration (extrapolated, not measured) | 8 GB | 12 GB | 24 GB |" in extrapolated
+    assert "Extrapolated, not measured" in extrapolated and "floor((budget - a) / b)" in extrapolated
+    assert "DirectML's lean configuration, 8-bit state" in extrapolated and "through the measured depths" in extrapolated
+    precision = _table_rows(sections["PRECISION-TABLE"])
+    assert all(r[1] == NOT_ON_DIRECTML for r in precision if r[0].startswith("`bf16"))
+    assert [r[1] for r in precision if r[0] == "`fp16-sr-8bit`"] == [f"**{RECOMMENDED}**"]
+    assert all(r[1] == "yes" for r in precision if not r[0].startswith(("`bf16", "`fp16-sr-8bit")))
+
+
+def test_the_memory_and_fits_sources_measured_the_float16_lean_rows():
+    from dml_optim.benchmark.wholemem import LEAN_FP16, REFERENCE
+
+    memory, fits = readme_tables._load("memory"), readme_tables._load("fits")
+    measured = {r["config"] for r in memory["rows"] if r["status"] == "measured" and not r.get("carried_from")}
+    assert {REFERENCE, *LEAN_FP16, "ours-bf16-sr-8bit-eager-backward", "ours-bf16-sr-4bit-eager-backward"} <= measured
+    assert [r["config"] for r in fits["rows"]] == [REFERENCE, *LEAN_FP16]
+    assert [e["config"] for e in fits["extrapolated"]["rows"]] == [REFERENCE, *LEAN_FP16]

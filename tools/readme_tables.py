@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's dml_optim, also when it is not 
 from dml_optim.benchmark import default_workloads, report  # noqa: E402
 from dml_optim.benchmark.targets import auto_label, reference, speed_row, versus  # noqa: E402
 from dml_optim.benchmark.timing import reference_name  # noqa: E402
+from dml_optim.benchmark.wholemem import NOT_ON_DIRECTML  # noqa: E402
 from dml_optim.benchmark.workloads import FROZEN_PREFIXES  # noqa: E402
 
 README = ROOT / "README.md"
@@ -46,8 +47,8 @@ SOURCES = {
     "cpu": "bench/results/cpu-2026-11-29-4.json",
     "cuda": "bench/results/cuda-2026-11-23.json",
     "lowbit": "bench/results/cpu-lowbit-2026-11-29-factors-1.json",
-    "memory": "bench/results/memory-2026-11-29.json",
-    "fits": "bench/results/fits-2026-11-29.json",
+    "memory": "bench/results/memory-2026-12-07.json",
+    "fits": "bench/results/fits-2026-12-07.json",
 }
 #: (optimizer, model) per row of the audit table.
 AUDIT_ROWS = (
@@ -387,7 +388,10 @@ def bench_section(cpu: dict, cuda: dict) -> str:
 #: (workload, optimizer) per row of the headline speed table.
 _HEADLINE_SPEED = tuple((w, o) for w in ("resnet50", "bert-base-uncased", "gpt2", "many-small") for o in ("adam", "adamw"))
 #: The configurations of the headline precision table, in its order.
-_HEADLINE_PRECISION = ("fp32", "fp16", "fp16-master", "fp16-kahan", "bf16", "bf16-sr", "bf16-kahan", "fp32-8bit", "fp32-4bit")
+_HEADLINE_PRECISION = ("fp32", "fp16", "fp16-master", "fp16-kahan", "fp16-sr", "fp16-sr-8bit", "bf16", "bf16-sr",
+                       "bf16-kahan", "bf16-sr-8bit", "fp32-8bit", "fp32-4bit")
+#: The compare configuration that is DirectML's lean configuration (the recommended one).
+_DIRECTML_LEAN = "fp16-sr-8bit"
 COMPARE_REPORT = "docs/compare-report.md"
 
 
@@ -430,17 +434,31 @@ def _compare_rows(text: str) -> dict[str, dict[str, str]]:
     return rows
 
 
+def _precision_directml(name: str) -> str:
+    """Whether the compare configuration ``name`` runs on DirectML, in words (bold: the recommended one)."""
+    import torch
+
+    from dml_optim.benchmark.wholemem import RECOMMENDED
+    from dml_optim.precision import CONFIGS
+
+    if CONFIGS[name].param_dtype == torch.bfloat16:
+        return NOT_ON_DIRECTML
+    return f"**{RECOMMENDED}**" if name == _DIRECTML_LEAN else "yes"
+
+
 def precision_headline(text: str, source: str) -> str:
     """The short precision table: each configuration's drift from float64 and final loss, from a compare report."""
     rows = _compare_rows(text)
     first = text.splitlines()[0].removeprefix("# ")  # "dml-optim compare: adam on mlp"
-    lines = ["| configuration | relative error after 200 steps (float64 = 0) | updates lost to rounding | final loss |",
-             "|---|---:|---:|---:|"]
+    lines = ["| configuration | runs on DirectML | relative error after 200 steps (float64 = 0) | updates lost to rounding "
+             "| final loss |", "|---|---|---:|---:|---:|"]
     for config in _HEADLINE_PRECISION:
         r = rows[config]
-        lines.append(f"| `{config}` | {r['final ‖Δ‖/‖x‖']} | {r['lost updates']} | {r['final loss']} |")
+        lines.append(f"| `{config}` | {_precision_directml(config)} | {r['final ‖Δ‖/‖x‖']} | {r['lost updates']} | "
+                     f"{r['final loss']} |")
     note = (f"({first}, 200 steps: the gradients of an FP32 training run of the built-in MLP fed to each configuration "
-            f"and to a float64 reference. The whole report, with the synthetic stream, every configuration and the "
+            f"and to a float64 reference. The bf16 configurations run on the CPU and CUDA only: DirectML has no "
+            f"bfloat16. The whole report, with the synthetic stream, every configuration and the "
             f"command that reproduces it: `{source}`.)")
     return "\n".join(lines + ["", _fill(note)])
 
@@ -479,9 +497,28 @@ def _training_bytes() -> str:
     return training_bytes_table([measure("adamw", CONFIGS[c]) for c in TRAINING_CONFIGS])
 
 
+def _directml(row: dict) -> str:
+    """Whether a wholemem or fits row's configuration runs on DirectML, in words: the row's own ``directml`` (rows
+    recorded since 2026-12-07), else what :data:`dml_optim.benchmark.wholemem.CONFIGS` says of its key."""
+    from dml_optim.benchmark.wholemem import config
+
+    if row.get("directml"):
+        return row["directml"]
+    try:
+        return config(row["config"]).directml
+    except ValueError:
+        return "n/a"
+
+
+def _directml_cell(row: dict) -> str:
+    text = _directml(row)
+    return f"**{text}**" if text.endswith("(recommended)") else text
+
+
 def peak_table(doc: dict[str, Any], source: str) -> str:
     """Whole-training peaks measured by ``python -m dml_optim.benchmark.wholemem``: bytes per parameter at the
-    steady peak of real training steps, both ``zero_grad`` styles, each beside torch.optim.AdamW FP32's."""
+    steady peak of real training steps, both ``zero_grad`` styles, each beside torch.optim.AdamW FP32's, and
+    whether each configuration runs on DirectML."""
     rows: dict[str, dict[str, dict]] = {}
     for row in doc["rows"]:
         rows.setdefault(row["config"], {})[row["zero_grad"]] = row
@@ -494,8 +531,8 @@ def peak_table(doc: dict[str, Any], source: str) -> str:
         base = ref[style]["peak_bytes_per_param"]
         return f"{row['peak_bytes_per_param']:.2f} ({row['peak_bytes_per_param'] / base:.2f}x)"
 
-    lines = ["| configuration | peak B/param, `zero_grad(set_to_none=True)` | peak B/param, `set_to_none=False` "
-             "| params + grads + state (arithmetic) |", "|---|---:|---:|---:|"]
+    lines = ["| configuration | runs on DirectML | peak B/param, `zero_grad(set_to_none=True)` | peak B/param, "
+             "`set_to_none=False` | params + grads + state (arithmetic) |", "|---|---|---:|---:|---:|"]
     skipped = []
     for config, by_style in rows.items():
         first = by_style[styles[0]]
@@ -503,11 +540,12 @@ def peak_table(doc: dict[str, Any], source: str) -> str:
             skipped.append(f"{first['label']} ({first['status']})")
             continue
         arith = next((r.get("arithmetic_bytes_per_param") for r in by_style.values() if r["status"] == "measured"), None)
-        lines.append(f"| {first['label']} | {cell(by_style.get(styles[0]), styles[0])} | "
+        lines.append(f"| {first['label']} | {_directml_cell(first)} | {cell(by_style.get(styles[0]), styles[0])} | "
                      f"{cell(by_style.get(styles[1]), styles[1])} | {'n/a' if arith is None else f'{arith:.2f}'} |")
     m, model = doc["machine"], doc["model"]
     note = (f"(Measured, not computed: {model['description']}, {model['params'] / 1e6:.1f}M parameters; each row a "
-            f"subprocess running forward, backward, clipping, step and zero_grad, its peak resident size (VmHWM, "
+            f"subprocess running forward, backward, clipping, step and zero_grad (the step inside backward: no "
+            f"clipping, which it refuses), its peak resident size (VmHWM, "
             f"freed blocks returned to the OS) above the resident size before the model existed, divided by the "
             f"parameters; the ratio is to torch.optim.AdamW FP32's peak in the same style. A {m.get('cpu_count')}-core "
             f"{m.get('cpu_model', 'CPU')} VM, {m.get('torch_threads')} threads, torch {doc['versions'].get('torch')}, {doc['created'][:10]} (`{source}`, written by "
@@ -516,27 +554,58 @@ def peak_table(doc: dict[str, Any], source: str) -> str:
         note += (" Rows of the eager backend (DirectML's path) lay their scratch out as DirectML does: a float32 step "
                  "in chunks within 32 MiB or 0.5 B/param (the CPU's own eager float32 step keeps a full-size scratch, "
                  "4 B/param more, for speed).")
+    if doc["method"].get("loss_scaling"):
+        note += (" The rows \"with DynamicLossScaler\" run `dml_optim.step_in_backward(opt, "
+                 "scaler=dml_optim.DynamicLossScaler())` and `scaler.scale(loss).backward(); scaler.update()`: each run "
+                 "of parameters unscaled in float32, checked and stepped inside backward, what float16 needs.")
+    if any(_directml(r) == NOT_ON_DIRECTML for r in doc["rows"]):
+        note += (" DirectML has no bfloat16 (torch-directml ends the process on a bfloat16 tensor, "
+                 "microsoft/DirectML#688): the bf16 rows are measured on the CPU for comparison; on DirectML the lean "
+                 "configuration is float16 with stochastic rounding, 8-bit or 4-bit state and the step inside backward "
+                 "with a DynamicLossScaler.")
     carried = sorted({(r["carried_from"], r["label"]) for r in doc["rows"] if r.get("carried_from")})
     if carried:
-        note += (" From another run of the same tool on this machine, the code paths they measure the same in both: "
-                 + "; ".join(f"{label} (`{src}`)" for src, label in carried) + ".")
+        note += " " + _carried_note(carried, m)
     if skipped:
         note += " Not measured: " + "; ".join(skipped) + "."
     note += ")"
     return "\n".join(lines + ["", _fill(note)])
 
 
+def _carried_note(carried: list[tuple[str, str]], machine: dict) -> str:
+    """The sentence on rows carried from another run of the tool: which, from where, and on what machine when it is
+    not this run's."""
+    by_source: dict[str, list[str]] = {}
+    for src, label in carried:
+        by_source.setdefault(src, []).append(label)
+    parts = []
+    for src, labels in by_source.items():
+        other = json.loads((ROOT / src).read_text(encoding="utf-8"))
+        om = other["machine"]
+        same = om.get("cpu_model") == machine.get("cpu_model")
+        where = ("on this machine" if same else
+                 f"on a {om.get('cpu_count')}-core {om.get('cpu_model', 'CPU')} VM, {other['created'][:10]}")
+        parts.append(f"{', '.join(labels)} (`{src}`, {where})")
+    return ("Rows from another run of the same tool, whose packages this run did not have and whose code paths did "
+            "not change: " + "; ".join(parts) + ".")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
 def fits_table(doc: dict, source: str) -> str:
     """The deepest GPT of one width that trains in a memory budget (``python -m dml_optim.benchmark.fits``), per
-    configuration, measured."""
+    configuration, measured; then, where the document has them, the depths its measured lines predict for larger
+    budgets, extrapolated (said so), with their formula, the measured points and any check."""
     budget = doc["budget_bytes"] / 1e9
-    lines = [f"| configuration | deepest GPT that fits {budget:g} GB | parameters | measured peak | next depth's peak |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"| configuration | runs on DirectML | deepest GPT that fits {budget:g} GB | parameters | measured peak | "
+             "next depth's peak |", "|---|---|---:|---:|---:|---:|"]
     for r in doc["rows"]:
         ratio = f" ({r['ratio_to_torch']:.1f}x)" if r.get("ratio_to_torch") and r["config"] != "torch-fp32" else ""
         nxt = r.get("next_peak_bytes")
-        lines.append(f"| {r['label']} | {r['depth']} blocks | {r['params'] / 1e6:.1f}M{ratio} | "
-                     f"{r['peak_bytes'] / 1e9:.2f} GB | {'n/a' if nxt is None else f'{nxt / 1e9:.2f} GB'} |")
+        lines.append(f"| {r['label']} | {_directml_cell(r)} | {r['depth']} blocks | {r['params'] / 1e6:.1f}M{ratio} | "
+                     f"{_gb(r['peak_bytes'])} | {'n/a' if nxt is None else _gb(nxt)} |")
     f, m = doc["family"], doc["machine"]
     note = (f"(Measured, not computed: GPTs of width {f['width']}, {f['heads']} heads, a tied embedding of "
             f"{f['vocab']} tokens, batch {f['batch']} x {f['seq']} tokens, as deep as fits; each depth a subprocess "
@@ -546,7 +615,72 @@ def fits_table(doc: dict, source: str) -> str:
             "so was the next one, which does not fit. "
             f"A {m.get('cpu_count')}-core {m.get('cpu_model', 'CPU')} VM, torch {doc['versions'].get('torch')}, "
             f"{doc['created'][:10]} (`{source}`, written by `python -m dml_optim.benchmark.fits`).)")
-    return "\n".join(lines + ["", _fill(note)])
+    out = lines + ["", _fill(note)]
+    extra = doc.get("extrapolated")
+    if extra:
+        out += ["", *_extrapolated_table(extra, source, doc["rows"])]
+    return "\n".join(out)
+
+
+def _short_label(key: str, label: str) -> str:
+    """A configuration's name in the extrapolated table: torch's reference, or the float16 lean rows by their bits."""
+    from dml_optim.benchmark.wholemem import LEAN_FP16, config
+
+    if key == "torch-fp32":
+        return "torch.optim.AdamW, FP32"
+    if key in LEAN_FP16:
+        return f"dml_optim.AdamW, DirectML's lean configuration, {config(key).kwargs['state_bits']}-bit state"
+    return label
+
+
+def _extrapolated_table(extra: dict, source: str, rows: list[dict]) -> list[str]:
+    """The depths a fits document's measured lines predict for larger budgets: extrapolated, said so, with the line,
+    its measured points and the checks made at a predicted depth."""
+    budgets = [b["budget_gb"] for b in extra["rows"][0]["budgets"]]
+    head = ["configuration (extrapolated, not measured)", *(f"{b:g} GB" for b in budgets),
+            "the line peak = a + b x depth, through the measured depths"]
+    table = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(budgets) + "---|"]
+    checks, low = [], []
+    measured = {r["config"]: {int(d): m["peak_bytes"] for d, m in r["measured"].items()} for r in rows}
+    for e in extra["rows"]:
+        name = _short_label(e["config"], e["label"])
+        cells = []
+        for b in e["budgets"]:
+            cells.append(f"{b['depth']} blocks, {b['params'] / 1e9:.2f}B")
+            v = b.get("verified")
+            if v:
+                checks.append(f"{name} at {b['depth']} blocks, {_gb(v['peak_bytes'])} (the line: "
+                              f"{_gb(b['predicted_peak_bytes'])})")
+                if v["peak_bytes"] < 0.95 * b["predicted_peak_bytes"]:  # the growth per block beyond the fit
+                    last = max(e["points"])
+                    per_block = (v["peak_bytes"] - measured[e["config"]][last]) / (b["depth"] - last)
+                    low.append(f"{per_block / 1e6:.1f} MB per block from {last} to {b['depth']} blocks against the "
+                               f"line's {e['bytes_per_block'] / 1e6:.1f} ({name})")
+        pts = ", ".join(str(d) for d in e["points"])
+        table.append(f"| {name} | " + " | ".join(cells) + f" | a = {e['intercept_bytes'] / 1e9:.3f} GB, b = "
+                     f"{e['bytes_per_block'] / 1e6:.2f} MB per block (depths {pts}; largest residual "
+                     f"{e['max_residual_bytes'] / 1e6:.1f} MB) |")
+    base = next((e for e in extra["rows"] if e["config"] == "torch-fp32"), None)
+    ratios = ""
+    if base:
+        parts = [f"{_short_label(e['config'], e['label'])} " + ", ".join(
+                     f"{b['params'] / bb['params']:.1f}x" for b, bb in zip(e["budgets"], base["budgets"]) if bb["params"])
+                 for e in extra["rows"] if e is not base]
+        ratios = (f" Parameters against torch.optim.AdamW FP32's at {', '.join(f'{b:g}' for b in budgets)} GB: "
+                  + "; ".join(parts) + ".")
+    note = ("(Extrapolated, not measured: the deepest depth is floor((budget - a) / b) for a budget in bytes of "
+            "tensors (1 GB = 10^9 bytes; a card of that size has less usable memory: the driver, the context and "
+            "the allocator keep some), a and b the least-squares line through each configuration's peaks measured "
+            f"above (`{source}`) from depth 6 on: depth 2 is left out, since below 64M parameters the eager step's "
+            "scratch is a fixed 32 MiB and above it grows with the parameters. The parameters are counted for that "
+            "depth; activations stay those of batch 1 x 32 tokens (a larger batch or sequence needs more)." + ratios)
+    if checks:
+        note += " Measured at a predicted depth, on this machine: " + "; ".join(checks) + "."
+        if low:
+            note += (" Where the measurement is under the line, more blocks fit than the line says: the peak grew by "
+                     "less per block beyond the measured depths than the line's slope (" + "; ".join(low)
+                     + "), so its depths err on the small side there.")
+    return [*table, "", _fill(note + ")")]
 
 
 #: Marker name -> the function that writes the text between that marker pair.

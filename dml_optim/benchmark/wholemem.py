@@ -34,9 +34,17 @@ printed beside the measurement, never instead of it.
 
 Configurations that need a package that is not installed (bitsandbytes,
 torchao) are rows with status ``"not installed"``; options that do not exist
-yet (``rounding="stochastic"``, the step inside backward) are probed by trying
-them on a one-element parameter and reported ``"not available yet"`` with the
-error, until they exist.
+yet (``rounding="stochastic"``, the step inside backward, loss scaling inside
+backward) are probed by trying them on a one-element parameter and reported
+``"not available yet"`` with the error, until they exist.
+
+**What runs on DirectML** (:attr:`Config.directml`, in every row as ``directml``): DirectML has no
+bfloat16 (torch-directml ends the process on a bfloat16 tensor, microsoft/DirectML#688), so the
+bfloat16 rows are measured here for comparison only, ``"not on DirectML (no bfloat16)"``.  DirectML's lean
+configuration is float16 parameters, ``rounding="stochastic"``, ``state_bits=8`` (or 4), the eager
+backend and the step inside backward with a :class:`dml_optim.DynamicLossScaler` (float16 gradients
+underflow without loss scaling): ``ours-fp16-sr-8bit-eager-backward`` and ``-4bit-``, whose loop is
+``scaler.scale(loss).backward(); scaler.update(); zero_grad`` (phase ``"scaler"``).
 
 The JSON document (:func:`measure`, written to
 ``bench/results/memory-<UTC date>.json`` by ``python -m
@@ -68,8 +76,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["SCHEMA", "Config", "CONFIGS", "MODELS", "ModelSpec", "MMAP_THRESHOLD", "availability", "measure",
-           "measure_one", "run_child", "row_fields", "format_table", "default_output_path", "bench_tasks", "main"]
+__all__ = ["SCHEMA", "Config", "CONFIGS", "LEAN_FP16", "MODELS", "ModelSpec", "MMAP_THRESHOLD", "NOT_ON_DIRECTML",
+           "RECOMMENDED", "availability", "measure", "measure_one", "run_child", "row_fields", "format_table",
+           "default_output_path", "bench_tasks", "main"]
 
 SCHEMA = "dml-optim-wholemem-1"
 #: ``MALLOC_MMAP_THRESHOLD_`` of the child: blocks of this many bytes or more are mmap'ed and returned on free.
@@ -169,20 +178,29 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed:
 
 
 def count_params(spec: ModelSpec) -> int:
-    """The parameters of ``spec``'s model (built on the meta device: nothing allocated)."""
-    model, _ = build_model(spec, torch.device("meta"), torch.float32)
+    """The parameters of ``spec``'s model (built on the meta device: nothing allocated, whatever its size)."""
+    with torch.device("meta"):  # (modules made on the meta device, not made on the CPU and moved there)
+        model, _ = build_model(spec, torch.device("meta"), torch.float32)
     return sum(p.numel() for p in model.parameters())
 
 
 # -- configurations -------------------------------------------------------------------------------------------------
 
 
+#: What a bfloat16 row's ``directml`` says: DirectML has no bfloat16 (microsoft/DirectML#688).
+NOT_ON_DIRECTML = "not on DirectML (no bfloat16)"
+#: What the float16 lean rows' ``directml`` says.
+RECOMMENDED = "yes: DirectML's lean configuration (recommended)"
+
+
 @dataclass(frozen=True)
 class Config:
     """One optimizer configuration: ``family`` (``torch``, ``dml_optim``, ``bitsandbytes``, ``torchao``),
-    the parameters' ``dtype``, the optimizer's keyword ``options``, the package it needs (``peer``), and
-    ``phase2``: ``"rounding"`` (needs ``rounding="stochastic"``) and/or ``"backward"`` (the step inside
-    backward)."""
+    the parameters' ``dtype``, the optimizer's keyword ``options``, the package it needs (``peer``),
+    ``phase2``: ``"rounding"`` (needs ``rounding="stochastic"``), ``"backward"`` (the step inside
+    backward) and ``"scaler"`` (with it, a :class:`dml_optim.DynamicLossScaler` passed to
+    ``step_in_backward`` and the loss scaled), and ``directml``: whether it runs on DirectML, in words
+    (:func:`_on_directml` by default)."""
 
     key: str
     label: str
@@ -191,14 +209,35 @@ class Config:
     options: tuple[tuple[str, Any], ...] = ()
     peer: str | None = None
     phase2: tuple[str, ...] = ()
+    directml: str = ""
+
+    def __post_init__(self):
+        if not self.directml:
+            object.__setattr__(self, "directml", _on_directml(self))
 
     @property
     def kwargs(self) -> dict[str, Any]:
         return dict(self.options)
 
 
-def _ours(key: str, label: str, dtype: str = "float32", phase2: tuple[str, ...] = (), **options) -> Config:
-    return Config(key, label, "dml_optim", dtype, tuple(options.items()), phase2=phase2)
+def _on_directml(cfg: Config) -> str:
+    """Whether ``cfg`` runs on DirectML, in words: bfloat16 never does; the others as their family does."""
+    if cfg.dtype == "bfloat16":
+        return NOT_ON_DIRECTML
+    if cfg.family == "torch":
+        return "yes, with a CPU fallback per parameter (lerp_)"
+    if cfg.family == "bitsandbytes":
+        return "no (no DirectML backend)"
+    if cfg.family == "torchao":
+        return "not tested"
+    if cfg.kwargs.get("backend") == "eager":
+        return "yes"
+    return "yes (there backend=\"auto\" runs eager; this row measures the CPU's default)"
+
+
+def _ours(key: str, label: str, dtype: str = "float32", phase2: tuple[str, ...] = (), directml: str = "",
+          **options) -> Config:
+    return Config(key, label, "dml_optim", dtype, tuple(options.items()), phase2=phase2, directml=directml)
 
 
 CONFIGS: tuple[Config, ...] = (
@@ -234,7 +273,19 @@ CONFIGS: tuple[Config, ...] = (
     _ours("ours-bf16-sr-4bit-eager-backward", 'dml_optim.AdamW, bf16 + rounding="stochastic" + state_bits=4, eager, '
           "step inside backward", "bfloat16", phase2=("rounding", "backward"), backend="eager",
           rounding="stochastic", state_bits=4),
+    # DirectML's lean configuration (issue 49): float16 (DirectML has no bfloat16), the loss scaled inside backward
+    _ours("ours-fp16-sr-8bit-eager-backward", 'dml_optim.AdamW, fp16 + rounding="stochastic" + state_bits=8, eager, '
+          "step inside backward with DynamicLossScaler", "float16", phase2=("rounding", "backward", "scaler"),
+          directml=RECOMMENDED, backend="eager", rounding="stochastic", state_bits=8),
+    _ours("ours-fp16-sr-4bit-eager-backward", 'dml_optim.AdamW, fp16 + rounding="stochastic" + state_bits=4, eager, '
+          "step inside backward with DynamicLossScaler", "float16", phase2=("rounding", "backward", "scaler"),
+          directml=RECOMMENDED, backend="eager", rounding="stochastic", state_bits=4),
+    _ours("ours-fp16-kahan-8bit-eager-backward", "dml_optim.AdamW, fp16 + kahan + state_bits=8, eager, step inside "
+          "backward with DynamicLossScaler", "float16", phase2=("backward", "scaler"), backend="eager", kahan=True,
+          state_bits=8),
 )
+#: The float16 lean configurations: what DirectML runs in the least memory (the recommended configuration).
+LEAN_FP16 = ("ours-fp16-sr-8bit-eager-backward", "ours-fp16-sr-4bit-eager-backward")
 _BY_KEY = {c.key: c for c in CONFIGS}
 #: The reference every row's ratio is taken to (same model, same zero_grad style, same run).
 REFERENCE = "torch-fp32"
@@ -283,10 +334,22 @@ def availability(cfg: Config) -> tuple[str, str | None]:
             return "not available yet", "no dml_optim.step_in_backward (nor dml_optim.training.backward.step_in_backward)"
         probe = torch.nn.Parameter(torch.zeros(4, dtype=getattr(torch, cfg.dtype)))
         try:
-            step_in_backward(_build_optimizer(cfg, [probe])).remove()
-        except (TypeError, ValueError) as exc:  # refused for this configuration, with the reason
+            step_in_backward(_build_optimizer(cfg, [probe]), **_scaler_kwargs(cfg)).remove()
+        except (TypeError, ValueError, AttributeError) as exc:  # refused for this configuration, with the reason
             return "not available yet", f"step_in_backward: {type(exc).__name__}: {exc}"
     return "available", None
+
+
+def _scaler_kwargs(cfg: Config) -> dict[str, Any]:
+    """``{"scaler": DynamicLossScaler()}`` for a configuration of phase ``"scaler"``, else ``{}``."""
+    if "scaler" not in cfg.phase2:
+        return {}
+    import dml_optim
+
+    scaler = getattr(dml_optim, "DynamicLossScaler", None)
+    if scaler is None:
+        raise AttributeError("no dml_optim.DynamicLossScaler")
+    return {"scaler": scaler()}
 
 
 def _build_optimizer(cfg: Config, params: list[torch.nn.Parameter]):
@@ -442,7 +505,18 @@ def _loop(cfg: Config, spec: ModelSpec, device: torch.device, set_to_none: bool,
         step_in_backward = _step_in_backward()
         if step_in_backward is None:
             raise RuntimeError("no step inside backward")
-        step_in_backward(opt)
+        scaler = _scaler_kwargs(cfg).get("scaler")
+        step_in_backward(opt, scaler=scaler)
+        if scaler is not None:  # float16: the loss scaled, each run unscaled (float32) and gated inside backward
+            def iterate():
+                loss = loss_fn()  # (in float32: the model's output cast up, as every row does)
+                scaler.scale(loss).backward()  # each run of the flat buffer unscaled, checked and stepped inside
+                scaler.update()
+                opt.zero_grad(set_to_none=set_to_none)
+                return loss.detach()
+
+            return (opt, params, iterate, "forward, scaler.scale(loss).backward() (each run unscaled, checked and "
+                    f"stepped inside), scaler.update(), zero_grad(set_to_none={set_to_none}); no clipping (refused)")
 
         def iterate():
             loss = loss_fn()
@@ -555,7 +629,8 @@ def row_fields() -> dict[str, str]:
     """The fields of a row of the document, with their meaning (for the README table generator)."""
     return {
         "config": "configuration key (CONFIGS)", "label": "what it is, in words", "family": "torch, dml_optim, "
-        "bitsandbytes or torchao", "dtype": "the parameters' dtype", "zero_grad": '"set_to_none=True" or '
+        "bitsandbytes or torchao", "dtype": "the parameters' dtype", "directml": "whether it runs on DirectML, in "
+        "words (bfloat16: not on DirectML)", "zero_grad": '"set_to_none=True" or '
         '"set_to_none=False"', "set_to_none": "bool", "status": '"measured", "not installed", "not available yet" '
         'or "failed"', "reason": "why not measured (None when measured)", "loop": "what one iteration runs "
         "(the clipping call named)", "backend": "what dml_optim's buffers ran", "params": "trainable parameters",
@@ -597,6 +672,11 @@ def measure(configs: Sequence[str] | None = None, *, model: str = "mlp", styles:
             "baseline": "after the imports and 3 iterations of the same configuration on a tiny model, freed",
             "warmup_steps": warmup, "measured_steps": steps, "clip": _CLIP + " on every row but the step inside "
             "backward (clipping refused there)", "lr": 1e-4, "reference": REFERENCE,
+            "loss_scaling": "rows of phase 'scaler' (float16, the step inside backward): "
+                            "step_in_backward(opt, scaler=dml_optim.DynamicLossScaler()), the loop "
+                            "scaler.scale(loss).backward(); scaler.update(); zero_grad; the loss in float32",
+            "directml": "each row's 'directml' says whether it runs on DirectML; DirectML has no bfloat16, so the "
+                        "bfloat16 rows are measured on the CPU for comparison only",
             "eager_layout": "rows of backend='eager' (DirectML's path) lay their scratch out as on DirectML: a float32 "
                             "step in chunks within 32 MiB or 0.5 B/param (the CPU's own eager step keeps a full-size "
                             "float32 scratch, 4 B/param, for speed)",
@@ -608,8 +688,8 @@ def measure(configs: Sequence[str] | None = None, *, model: str = "mlp", styles:
         status, reason = availability(cfg)
         for style in styles:
             row: dict[str, Any] = {"config": cfg.key, "label": cfg.label, "family": cfg.family, "dtype": cfg.dtype,
-                                   "zero_grad": f"set_to_none={style}", "set_to_none": style, "status": status,
-                                   "reason": reason, "params": n}
+                                   "directml": cfg.directml, "zero_grad": f"set_to_none={style}",
+                                   "set_to_none": style, "status": status, "reason": reason, "params": n}
             if status == "available":
                 log(f"  {cfg.key}, zero_grad(set_to_none={style}) ...")
                 res = measure_one(dict(config=cfg.key, set_to_none=style, model=model, device=device, warmup=warmup,
@@ -663,12 +743,14 @@ def format_table(doc: dict[str, Any]) -> str:
 
     lines = [f"Whole-training peak, {doc['model']['description']} ({doc['model']['params'] / 1e6:.1f}M parameters), "
              "bytes per parameter (x torch.optim.AdamW FP32's, same zero_grad style)", "",
-             "| configuration | peak, set_to_none=True | peak, set_to_none=False | arithmetic |",
-             "|---|---:|---:|---:|"]
+             "| configuration | on DirectML | peak, set_to_none=True | peak, set_to_none=False | arithmetic |",
+             "|---|---|---:|---:|---:|"]
     for key, styles in rows.items():
         any_row = next(iter(styles.values()))
         arith = next((f"{r['arithmetic_bytes_per_param']:.2f}" for r in styles.values() if r["status"] == "measured"), "")
-        lines.append(f"| {any_row['label']} | {cell(styles.get(True))} | {cell(styles.get(False))} | {arith} |")
+        directml = any_row.get("directml") or (_BY_KEY[key].directml if key in _BY_KEY else "")
+        lines.append(f"| {any_row['label']} | {directml} | {cell(styles.get(True))} | {cell(styles.get(False))} "
+                     f"| {arith} |")
     return "\n".join(lines)
 
 

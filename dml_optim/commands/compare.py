@@ -27,13 +27,15 @@ DESCRIPTION = """Feed one identical gradient stream through every precision conf
 ULP distance, NaN/Inf, lost updates, flushed second moments, gradient underflow, final
 loss, and plain-language findings (among them what FP32 master weights and Kahan
 compensation keep, and at what memory, and whether stochastic rounding beats plain
-FP16/BF16 and where Kahan is still closer)."""
+FP16/BF16 and where Kahan is still closer). The bf16 configurations run on the CPU and
+CUDA only (DirectML has no bfloat16); fp16-sr-8bit is DirectML's lean configuration."""
 EXAMPLES = f"""examples:
   dml-optim compare                                        # adam on the built-in MLP, 200 steps
   dml-optim compare --optimizer dml-adam --out my-report   # DirectML's rule (epsilon 1e-8)
   dml-optim compare --optimizer dml-adam --epsilon 1e-4
   dml-optim compare --optimizer adamw --configs fp32,fp16-master,fp16-kahan
   dml-optim compare --configs bf16,bf16-kahan,bf16-sr             # stochastic rounding against plain BF16 and Kahan
+  dml-optim compare --configs fp32,fp16-sr-8bit,fp16-kahan-8bit    # DirectML's lean configuration (FP16: it has no BF16)
   dml-optim compare --workload resnet50 --steps 5          # a built-in model's shapes (~7 GB of memory)
   dml-optim compare --workload gpt2 --steps 3              # slow: 124M parameters, ~32 GB of memory
   dml-optim compare --workload my-model.json               # an inventory file

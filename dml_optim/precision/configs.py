@@ -5,7 +5,8 @@ that decide the rest: ``state_dtype``, ``compute_dtype``, ``master_weights``
 (an FP32 copy of the parameters), ``kahan`` (a compensation buffer in the
 parameters' dtype) or ``rounding="stochastic"`` (the FP32 result rounded into
 the parameters up or down with unbiased probabilities, no buffer).  :data:`CONFIGS` lists them in the order reports show
-them.  The dtypes a configuration ends up with are the optimizers' own rules
+them.  DirectML has no bfloat16: the ``bf16`` configurations say "CPU/CUDA only", and ``fp16-sr-8bit`` (float16
+written by stochastic rounding, 8-bit states) is DirectML's lean configuration.  The dtypes a configuration ends up with are the optimizers' own rules
 (states and arithmetic in FP32 with master weights, Kahan or stochastic
 rounding, unless set),
 read from the optimizer base class, not restated here.
@@ -103,6 +104,14 @@ CONFIGS: dict[str, Config] = {
         Config("fp16-kahan-4bit", torch.float16, kahan=True, state_bits=4,
                description="FP16 parameters plus an FP16 Kahan compensation buffer, 4-bit block-quantized "
                            "states, FP32 arithmetic"),
+        # DirectML's lean configuration (DirectML has no bfloat16): float16 written by stochastic rounding, low-bit
+        # states (on a device, with the step inside backward and a DynamicLossScaler; compare feeds the gradients)
+        Config("fp16-sr-8bit", torch.float16, rounding="stochastic", state_bits=8,
+               description="FP16 parameters written by stochastic rounding, 8-bit block-quantized states, FP32 "
+                           "arithmetic (DirectML's lean configuration)"),
+        Config("fp16-sr-4bit", torch.float16, rounding="stochastic", state_bits=4,
+               description="FP16 parameters written by stochastic rounding, 4-bit block-quantized states, FP32 "
+                           "arithmetic (DirectML's lean configuration at 4 bits)"),
         Config("bf16-sr-8bit", torch.bfloat16, rounding="stochastic", state_bits=8,
                description="bfloat16 parameters written by stochastic rounding, 8-bit block-quantized states, "
                            "FP32 arithmetic (CPU/CUDA only)"),

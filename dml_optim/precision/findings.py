@@ -5,7 +5,8 @@ states, per stream: the configurations ranked by their final error; what FP32
 master weights and Kahan compensation keep that plain FP16/BF16 loses (and at
 what memory); whether stochastic rounding tracks the reference closer than
 plain FP16/BF16, and where Kahan compensation (2 bytes per parameter more)
-is still closer; and, per configuration, the causes the metrics point to: an
+is still closer; a BF16 low-bit configuration against its FP16 twin (DirectML,
+which has no BF16, runs the FP16 one); and, per configuration, the causes the metrics point to: an
 epsilon that is 0 in the arithmetic dtype, a second moment flushed to zero,
 updates lost to rounding, gradients that underflowed on storage.  Each
 sentence quotes the numbers it rests on.
@@ -144,6 +145,11 @@ def _low_bit_finding(report: Report, r: Result, cfg: Config, by) -> str:
             text += (f"; `{o.config}` ({_dtype_name(dtype)} parameters with the same {bits}-bit states and a "
                      f"{size}-byte Kahan compensation buffer per parameter instead of stochastic rounding) ends at "
                      f"{fmt(k)}, {versus}")
+        if cfg.param_dtype == torch.bfloat16:  # DirectML has no bfloat16: its lean configuration is the FP16 twin
+            twin = by.get((f"fp16-sr-{bits}bit", r.stream))
+            if _finite_error(twin):
+                text += (f"; BF16 does not run on DirectML (it has none): `{twin.config}`, the same in FP16 (DirectML's "
+                         f"lean configuration), ends at {fmt(twin.metrics['final_rel_error'])}")
     spans = (f"the first moment's {_code_words(format_for(bits, True))}, "
              f"the second moment's {_code_words(format_for(bits, False))}")
     return text + (f". Each value is rounded to the nearest of its code's {2**bits} levels relative to "

@@ -63,13 +63,30 @@ then on; the scheduler steps as usual (one iteration, whatever skipped).  The
 choice, against a second backward pass (LOMO's: one pass to find an overflow,
 a second to step), is measured in docs/design.md.
 
-**Refused at setup** (``ValueError`` naming what to change), because they need
-every gradient of the model before the first parameter steps, or a step of the
-whole model at once:
+**Clipping** (``max_norm=``, ``clip_by="previous_norm"``): global-norm clipping by the *previous*
+backward's norm, one step stale, because the current backward's norm is known only after its last gradient,
+when every run but the last has stepped.  While backward runs, each run's gradients' 2-norm (unscaled; a
+float16 gradient's in float32) is taken on the device before the run steps; at the end of backward the runs'
+norms make the total norm (torch's norm of per-tensor norms: :attr:`StepInBackward.total_norm`, a 0-d device
+tensor, as ``torch.nn.utils.clip_grad_norm_`` returns it), and the next backward's gradients are multiplied by
+``min(1, max_norm / (total_norm + 1e-6))``, torch's coefficient: folded into the scaler's ``1 / S`` (one
+factor, applied inside the rule in float32) or, without a scaler, multiplied into each run's gradients before
+it steps.  The first backward after setup only measures: no norm is known to clip it by, and it steps nothing
+(as a loss scaler's overflowed step; the scheduler steps as usual), because an unclipped first step of Adam
+puts its large first gradient into the second moment, which holds every later step back (measured in
+docs/design.md).  A run that skipped an inf or NaN gradient (loss scaling) keeps its previous norm in the
+total: an overflow neither poisons the next coefficient nor drops the run from it (a run that overflows in the
+first backward adds nothing to the first norm); without a scaler an inf or NaN gradient reaches the norm as it
+does in torch (``nonfinite="propagate"``).  Runs that got no gradient in a backward are left out of its norm,
+as torch leaves out parameters without one.  No host sync; every op (``linalg_vector_norm``, ``stack``,
+``where``, ``lt``, ``add``, ``reciprocal``, ``mul``, ``clamp``) is native on DirectML.
 
-* global-norm clipping (``max_norm=``): the norm is of all gradients
-  together; clip per parameter (``torch.nn.utils.clip_grad_value_`` in a hook
-  of your own) or step after backward;
+**Refused at setup** (``ValueError`` naming what to change), because they need every gradient of the model
+before the first parameter steps, or a step of the whole model at once:
+
+* global-norm clipping by the current backward's norm (``max_norm=`` without ``clip_by="previous_norm"``):
+  the norm is of all gradients together; clip by the previous backward's norm (above), per parameter
+  (``torch.nn.utils.clip_grad_value_`` in a hook of your own), or step after backward;
 * gradient accumulation (``accumulation_steps > 1``): each backward steps;
 * ``torch.amp.GradScaler`` (its unscaling and skip are decided on every
   gradient, in host code; use :class:`dml_optim.DynamicLossScaler`, whose scale
@@ -83,7 +100,7 @@ whole model at once:
   unreduced gradient.
 
 Under ``torch.nn.utils.clip_grad_norm_`` called after backward anyway, there is
-no gradient left to clip: pass ``max_norm`` to be told at setup.  Freezing or
+no gradient left to clip: pass ``max_norm`` to the step inside backward instead.  Freezing or
 unfreezing parameters, re-binding them (``model.to()``) or adding a param group
 needs :meth:`StepInBackward.refresh`; a backward that finds one of these changed
 raises, naming it, instead of stepping the wrong parameters.
@@ -91,20 +108,27 @@ raises, naming it, instead of stepping the wrong parameters.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dml_optim.core.functional import check_hyperparameter
 from dml_optim.core.packing import address, storage_less
 
-__all__ = ["step_in_backward", "StepInBackward", "DEFAULT_MIN_RUN_BYTES"]
+__all__ = ["step_in_backward", "StepInBackward", "DEFAULT_MIN_RUN_BYTES", "CLIP_BY", "NORM_PIECE_ELEMENTS"]
 
 #: The smallest default run: small parameters (biases, norms) are grouped up to this many bytes of gradient.
 DEFAULT_MIN_RUN_BYTES = 1 << 20
 #: A run whose parameters average fewer elements than this joins its neighbour (a step of its own costs a whole
 #: step's dispatches; torch's fused kernel reads gradients this large where they are, in one call per list).
 SMALL_RUN_ELEMENTS = 1 << 12
+#: What ``clip_by`` accepts: the norm the gradients of a backward are clipped by (the previous backward's).
+CLIP_BY = ("previous_norm",)
+#: A float16 or bfloat16 gradient's norm is taken in float32 in pieces of at most this many elements (the
+#: conversion's copy is at most 4 MiB, whatever the parameter; a float32 gradient's norm is one op).
+NORM_PIECE_ELEMENTS = 1 << 20
 
 
 @dataclass
@@ -113,20 +137,32 @@ class _Run:
     buffer: int = 0  # the flat buffer (flat_buffers()' order)
     positions: list[int] = field(default_factory=list)  # each parameter's position in the buffer
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # position in params -> gradient
+    # clipping: the 2-norm of the run's unscaled gradients at the last backward it stepped in (0-d float32 on
+    # the device; a skipped step keeps the one before), and whether it stepped in this backward
+    norm: torch.Tensor | None = None
+    fresh: bool = False
 
     @property
     def complete(self) -> bool:
         return len(self.pending) == len(self.params)
 
 
-def _refuse(optimizer, *, max_norm, accumulation_steps, scaler, model) -> None:
+def _refuse(optimizer, *, max_norm, clip_by, accumulation_steps, scaler, model) -> None:
     if not hasattr(optimizer, "step_run") or not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"step_in_backward needs a dml_optim optimizer, got {type(optimizer).__name__}")
-    if max_norm is not None:
+    if clip_by is not None and clip_by not in CLIP_BY:
+        raise ValueError(f"clip_by must be None or one of {CLIP_BY}, got {clip_by!r}")
+    if max_norm is not None and clip_by is None:
         raise ValueError(
-            f"max_norm={max_norm!r}: global-norm clipping needs the norm of every gradient before the first "
-            "parameter steps, and the step inside backward steps each run as its gradients arrive. Clip per "
-            "parameter (clip_grad_value_) or call optimizer.step() after backward instead of step_in_backward")
+            f"max_norm={max_norm!r}: global-norm clipping by this backward's norm needs the norm of every gradient "
+            "before the first parameter steps, and the step inside backward steps each run as its gradients "
+            'arrive. Pass clip_by="previous_norm" to clip each backward\'s gradients by the previous backward\'s '
+            "total norm (one step stale; the first backward only measures it), clip per parameter "
+            "(clip_grad_value_), or call optimizer.step() after backward instead of step_in_backward")
+    if clip_by is not None and max_norm is None:
+        raise ValueError(f"clip_by={clip_by!r} clips by the previous backward's norm: it needs max_norm")
+    if max_norm is not None:
+        check_hyperparameter("max_norm", max_norm, low=0.0)
     if accumulation_steps != 1:
         raise ValueError(
             f"accumulation_steps={accumulation_steps!r}: with the step inside backward every backward steps; "
@@ -177,12 +213,26 @@ def _refuse(optimizer, *, max_norm, accumulation_steps, scaler, model) -> None:
 
 
 class StepInBackward:
-    """The hooks :func:`step_in_backward` installed; :meth:`remove` takes them away."""
+    """The hooks :func:`step_in_backward` installed; :meth:`remove` takes them away.
 
-    def __init__(self, optimizer, run_bytes: int | None = None, scaler: Any = None):
+    With ``max_norm`` (clipping by the previous backward's norm), :attr:`total_norm` is the total 2-norm of the
+    last backward's gradients, unscaled and before clipping (a 0-d float32 tensor on the device, what
+    ``torch.nn.utils.clip_grad_norm_`` returns: log it after ``backward()``; reading it is a host sync), the norm
+    the next backward is clipped by; None before the first backward.
+    """
+
+    def __init__(self, optimizer, run_bytes: int | None = None, scaler: Any = None, max_norm: float | None = None):
         self.optimizer = optimizer
         self.scaler = scaler
         self._found: torch.Tensor | None = None  # runs of this backward skipped (loss scaling), on the device
+        #: clipping by the previous backward's norm (None: no clipping, no norm taken)
+        self.max_norm = None if max_norm is None else check_hyperparameter("max_norm", max_norm, low=0.0)
+        #: the total 2-norm of the last backward's gradients (unscaled, before clipping; a skipped run's previous
+        #: norm): a 0-d float32 tensor on the device, as torch.nn.utils.clip_grad_norm_ returns; None before the
+        #: first backward, and without max_norm.  The next backward is clipped by it.  Reading it is a host sync.
+        self.total_norm: torch.Tensor | None = None
+        self._coef: torch.Tensor | None = None  # min(1, max_norm / (total_norm + 1e-6)): this backward's clip
+        self._factors: dict = {}  # this backward's gradient factors (the coefficient by dtype, or with 1 / S)
         self.run_bytes_option = run_bytes
         self.run_bytes = 0
         self.runs: list[_Run] = []
@@ -314,6 +364,7 @@ class StepInBackward:
         try:
             if not self._queued:  # the first gradient of this backward: what the runs were cut for still holds?
                 self._check_setup()
+                self._factors = {}
                 # the runs left incomplete (unused parameters) step when backward ends
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
                 self._queued = True
@@ -325,8 +376,9 @@ class StepInBackward:
         except BaseException:  # (this backward is over: the next one starts afresh, its own checks and callback)
             self._queued = False
             self._found = None
-            for run in self.runs:
+            for run in self.runs:  # (the clip coefficient stays the last complete backward's)
                 run.pending.clear()
+                run.fresh = False
             raise
 
     def _check_setup(self) -> None:
@@ -341,19 +393,91 @@ class StepInBackward:
     def _step(self, run: _Run) -> None:
         grads = {run.positions[j]: g for j, g in run.pending.items()}
         run.pending.clear()
+        # (the norm of the gradients as they arrived: before they are clipped or the rule reads them)
+        norm = self._run_norm(list(grads.values())) if self.max_norm is not None else None
+        finite = None
+        if norm is not None and self._coef is None:  # (the first backward: no norm to clip by yet, no step)
+            finite = norm < math.inf  # (the norm's own check: false for an inf or a NaN, for the total and the scaler)
+            if self.scaler is not None:
+                skipped = finite.logical_not().float()
+                self._found = skipped if self._found is None else self._found.add_(skipped.to(self._found.device))
+            run.norm = torch.where(finite, norm, torch.zeros((), dtype=norm.dtype, device=norm.device))
+            run.fresh = True
+            return
         if self.scaler is None:
+            if self._coef is not None:  # (clip_grad_norm_'s multiply, in the gradients' dtype, as the flat clip does)
+                for g in grads.values():
+                    g.mul_(self._factor(g.dtype, g.device))
             self.optimizer.step_run(run.buffer, grads)
         else:  # (gated on the device: the run's flag added up, read by the scaler's update)
-            finite = self.optimizer.step_run(run.buffer, grads, inv_scale=self.scaler.inverse_scale())
+            finite = self.optimizer.step_run(run.buffer, grads, inv_scale=self._factor(None, None))
             skipped = finite.logical_not().float()
             self._found = skipped if self._found is None else self._found.add_(skipped.to(self._found.device))
+        if norm is not None:  # (a skipped run keeps its norm of before: an inf or NaN never reaches the total)
+            if finite is not None:
+                previous = run.norm if run.norm is not None else torch.zeros((), dtype=norm.dtype, device=norm.device)
+                norm = torch.where(finite.to(norm.device), norm, previous.to(norm.device))
+            run.norm, run.fresh = norm, True
         self.steps += 1
+
+    def _run_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of a run's gradients, unscaled: torch's norm of per-tensor norms, a float16 or bfloat16
+        gradient's in float32 (converted in pieces of :data:`NORM_PIECE_ELEMENTS`: the norm of a scaled float16
+        gradient overflows float16); 0-d, on the first gradient's device."""
+        device = grads[0].device
+        norms = []
+        for g in grads:
+            if g.dtype not in (torch.float16, torch.bfloat16):  # (float32, float64: in their own dtype, as torch)
+                norms.append(torch.linalg.vector_norm(g, 2))
+            elif g.numel() <= NORM_PIECE_ELEMENTS:
+                norms.append(torch.linalg.vector_norm(g, 2, dtype=torch.float32))
+            else:
+                flat = g.reshape(-1)
+                norms += [torch.linalg.vector_norm(flat[a:a + NORM_PIECE_ELEMENTS], 2, dtype=torch.float32)
+                          for a in range(0, flat.numel(), NORM_PIECE_ELEMENTS)]
+        norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2)
+        if self.scaler is not None:  # (the loss's scale taken out: the norm of the gradients the rule steps with)
+            norm = norm * self.scaler.inverse_scale().to(device)
+        return norm
+
+    def _factor(self, dtype: torch.dtype | None, device: torch.device | None) -> torch.Tensor:
+        """This backward's factor of the gradients, made once per backward: with a scaler (``dtype`` None) its
+        ``1 / S`` times the clip coefficient, applied inside the rule in float32; without one, the coefficient in
+        the gradients' dtype."""
+        key = (dtype, device)
+        factor = self._factors.get(key)
+        if factor is None:
+            if dtype is None:
+                inverse = self.scaler.inverse_scale()
+                factor = inverse if self._coef is None else inverse * self._coef.to(inverse.device)
+            else:
+                factor = self._coef.to(device, dtype)
+            self._factors[key] = factor
+        return factor
+
+    def _clip_next(self) -> None:
+        """At the end of a backward: the total norm of its runs (each run's last norm; runs that got no gradient
+        left out, as torch leaves out parameters without one) and the coefficient of the next backward."""
+        fresh = [run for run in self.runs if run.fresh]
+        for run in self.runs:
+            if not run.fresh:
+                run.norm = None  # (no gradient in this backward: not in the total, nothing to keep for a skip)
+            run.fresh = False
+        if not fresh:
+            return
+        device = fresh[0].norm.device
+        total = torch.linalg.vector_norm(torch.stack([run.norm.to(device) for run in fresh]), 2)
+        self.total_norm = total
+        self._coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)  # (torch's: reciprocal, mul, add, clamp)
 
     def _flush(self) -> None:
         self._queued = False
         for run in self.runs:
             if run.pending:
                 self._step(run)
+        if self.max_norm is not None:
+            self._clip_next()
+        self._factors = {}
         if self.scaler is not None and self._found is not None:
             self.scaler.record_step(self.optimizer, self._found)
             self._found = None
@@ -363,19 +487,23 @@ class StepInBackward:
 
 
 def step_in_backward(optimizer, *, run_bytes: int | None = None, max_norm: float | None = None,
-                     accumulation_steps: int = 1, scaler: Any = None, model: torch.nn.Module | None = None
-                     ) -> StepInBackward:
+                     clip_by: str | None = None, accumulation_steps: int = 1, scaler: Any = None,
+                     model: torch.nn.Module | None = None) -> StepInBackward:
     """Step ``optimizer`` (a dml_optim optimizer) inside every ``loss.backward()``, one run of parameters at a
     time, and drop each gradient once its run stepped; return the handle (``remove()`` undoes it).
 
     ``run_bytes``: the largest run, in bytes of gradient (default: the largest parameter's, at least 1 MiB).
     ``scaler``: a :class:`dml_optim.DynamicLossScaler` whose scaled loss the backward passes propagate (float16
     training): each run is unscaled, checked and gated on the device (see the module's docstring); the loop is
-    ``scaler.scale(loss).backward(); scaler.update()``.  ``max_norm``, ``accumulation_steps``, another scaler
-    (``torch.amp.GradScaler``) and ``model`` (DDP/FSDP) are there to be refused with the reason.  Raises
+    ``scaler.scale(loss).backward(); scaler.update()``.  ``max_norm`` with ``clip_by="previous_norm"``: each
+    backward's gradients are clipped to a total 2-norm of ``max_norm`` by the *previous* backward's total norm
+    (one step stale; the first backward only measures, stepping nothing; ``handle.total_norm`` is the last
+    backward's norm, a 0-d device tensor); ``max_norm`` alone (torch's clipping by the current norm), ``accumulation_steps``, another
+    scaler (``torch.amp.GradScaler``) and ``model`` (DDP/FSDP) are there to be refused with the reason.  Raises
     ``TypeError`` for an optimizer that is not dml_optim's.
     """
-    _refuse(optimizer, max_norm=max_norm, accumulation_steps=accumulation_steps, scaler=scaler, model=model)
+    _refuse(optimizer, max_norm=max_norm, clip_by=clip_by, accumulation_steps=accumulation_steps, scaler=scaler,
+            model=model)
     if run_bytes is not None and (isinstance(run_bytes, bool) or not isinstance(run_bytes, int) or run_bytes < 0):
         raise ValueError(f"run_bytes must be None or an int >= 0, got {run_bytes!r}")
-    return StepInBackward(optimizer, run_bytes, scaler)
+    return StepInBackward(optimizer, run_bytes, scaler, max_norm)
