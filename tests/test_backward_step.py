@@ -389,8 +389,8 @@ def test_a_backward_after_freezing_or_re_binding_without_refresh_raises():
 def test_handle_is_a_context_manager():
     opt = _opt()
     with step_in_backward(opt) as handle:
-        assert isinstance(handle, StepInBackward) and handle._handles
-    assert not handle._handles
+        assert isinstance(handle, StepInBackward) and handle.installed
+    assert not handle.installed
 
 
 @pytest.mark.slow
@@ -434,9 +434,9 @@ def test_a_gradient_unlike_its_parameter_raises_before_anything_is_written(backe
     before = [p.detach().clone() for p in net.parameters()]
     states = {k: {n: v.clone() for n, v in st.items() if isinstance(v, torch.Tensor)}
               for k, st in opt.state_dict()["state"].items()}
-    run, j = handle._where[id(net.head.weight)]
+    buffer, position = handle.position_of(net.head.weight)
     with pytest.raises(TypeError, match=r"\(8, 64\).*unlike the parameter \(\(8, 128\)"):
-        opt.step_run(run.buffer, {run.positions[j]: torch.zeros(8, 64)})
+        opt.step_run(buffer, {position: torch.zeros(8, 64)})
     assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
     for k, st in opt.state_dict()["state"].items():
         for n, v in states[k].items():

@@ -501,7 +501,7 @@ def test_a_speed_row_records_the_stream_limit_and_its_passes(monkeypatch):
     report prints the passes, and each row's fraction pairs its samples with the stream limit's, round by round."""
     from dml_optim.benchmark import speed
     from dml_optim.benchmark.candidates import BYTES_PER_ELEMENT, TORCH_CANDIDATES
-    from dml_optim.benchmark.report import _speed
+    from dml_optim.benchmark.report import speed_table
     from dml_optim.benchmark.timing import Reference, paired_fraction, round_robin
 
     seen = {}
@@ -528,7 +528,7 @@ def test_a_speed_row_records_the_stream_limit_and_its_passes(monkeypatch):
     assert max(p["gbs"] for p in passes.values()) <= ref["reference_gbs"] * (1 + 1e-9)
     assert ref["reference_ms"] == pytest.approx(reference.bytes_moved / (ref["reference_gbs"] * 1e9) * 1e3)
     doc = {"device": "cpu", "results": rows, "references": [ref]}
-    lines = _speed(doc)
+    lines = speed_table(doc)
     (header,) = [line for line in lines if line.startswith("| bandwidth reference |")]
     assert header.endswith("| passes GB/s (* fastest) |")
     line = next(x for x in lines if x.startswith("| stream of 65,536 | adam |"))
@@ -539,7 +539,7 @@ def test_a_speed_row_records_the_stream_limit_and_its_passes(monkeypatch):
 def test_older_documents_keep_their_reference_names():
     """Documents recorded with the in-place add or the triad (or on CUDA the copy) say so in reports and targets;
     a reference record without passes prints without the passes column."""
-    from dml_optim.benchmark.report import _speed
+    from dml_optim.benchmark.report import speed_table
     from dml_optim.benchmark.timing import reference_name
 
     assert reference_name({"references": [{"reference": "stream"}]}) == "the stream limit"
@@ -556,7 +556,7 @@ def test_older_documents_keep_their_reference_names():
             r.update({**dict.fromkeys(ROW_FIELDS), **r, "gbs": 1.0, "first_step_ms": 1.0})
         doc["references"][0].update(reference_elements=64, reference_ms=1.0, reference_gbs=1.0,
                                     reference_kernel_gbs=None)
-        lines = _speed(doc)
+        lines = speed_table(doc)
         assert f"| % of {name} |" in lines[0] and "passes GB/s" not in "".join(lines)
         assert f"| {kind} of 64 | adam | one-64m | 1.000 | 1.0 | n/a |" in lines
 

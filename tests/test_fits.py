@@ -51,7 +51,7 @@ def test_the_lean_rows_are_directml_s_float16_configuration():
 
 
 def test_the_line_is_a_least_squares_fit_and_the_extrapolation_follows_it():
-    from dml_optim.benchmark.fits import _params, extrapolate, fit_line
+    from dml_optim.benchmark.fits import extrapolate, fit_line, params_at
 
     assert fit_line({2: 300, 6: 500, 10: 700}) == pytest.approx((200, 50))
     with pytest.raises(ValueError, match="two measured depths"):
@@ -65,16 +65,16 @@ def test_the_line_is_a_least_squares_fit_and_the_extrapolation_follows_it():
     for entry in line["budgets"]:
         d, budget = entry["depth"], entry["budget_gb"] * 1e9
         assert a + b * d <= budget < a + b * (d + 1)
-        assert entry["params"] == _params(d) and entry["predicted_peak_bytes"] == pytest.approx(a + b * d, abs=2)
+        assert entry["params"] == params_at(d) and entry["predicted_peak_bytes"] == pytest.approx(a + b * d, abs=2)
 
 
 def test_parameters_are_counted_without_building_the_model():
     """A 24 GB card's depth counts billions of parameters: counted on the meta device, nothing allocated."""
-    from dml_optim.benchmark.fits import _params
+    from dml_optim.benchmark.fits import params_at
 
     per_block = 12 * 1024 * 1024 + 13 * 1024  # qkv, proj, up, down and their biases, two LayerNorms
-    assert _params(1000) - _params(999) == per_block
-    assert _params(1000) == 8192 * 1024 + 32 * 1024 + 2 * 1024 + 1000 * per_block  # embedding, positions, final norm
+    assert params_at(1000) - params_at(999) == per_block
+    assert params_at(1000) == 8192 * 1024 + 32 * 1024 + 2 * 1024 + 1000 * per_block  # embedding, positions, final norm
 
 
 def test_the_committed_run_extrapolates_from_its_measured_depths():

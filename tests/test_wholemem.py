@@ -84,7 +84,7 @@ def test_table_and_ratios_from_a_document():
                             "arithmetic_bytes_per_param": 16.0})
     doc["rows"].append({"config": "bnb-8bit", "label": "bnb", "set_to_none": True, "status": "not installed",
                         "reason": "no"})
-    wholemem._ratios(doc)
+    wholemem.add_ratios(doc)
     assert [r["ratio_to_reference"] for r in doc["rows"]] == [1.0, 1.0, 0.5, None]
     table = format_table(doc)
     assert "| dml_optim.AdamW(state_bits=8), eager | yes | 10.00 (0.50x) |  | 16.00 |" in table

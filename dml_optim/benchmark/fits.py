@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from dml_optim.benchmark.wholemem import LEAN_FP16, ModelSpec, config, count_params, measure_one
 
-__all__ = ["WIDTH_SPEC", "CONFIGS", "EXTRAPOLATE_GB", "largest_fitting", "fit_line", "extrapolate", "measure",
+__all__ = ["WIDTH_SPEC", "CONFIGS", "EXTRAPOLATE_GB", "largest_fitting", "fit_line", "extrapolate", "params_at", "measure",
            "main"]
 
 #: The GPT family searched: every field but the depth fixed.
@@ -87,7 +87,8 @@ def fit_line(points: dict[int, int]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def _params(depth: int) -> int:
+def params_at(depth: int) -> int:
+    """The parameters of the family's GPT of ``depth`` blocks."""
     return count_params(ModelSpec(**_spec(depth)))
 
 
@@ -101,7 +102,7 @@ def extrapolate(row: dict[str, Any], budgets_gb: tuple[float, ...] = EXTRAPOLATE
     out = []
     for gb in budgets_gb:
         depth = max(0, math.floor((gb * 1e9 - a) / b))
-        out.append({"budget_gb": gb, "depth": depth, "params": _params(depth) if depth else 0,
+        out.append({"budget_gb": gb, "depth": depth, "params": params_at(depth) if depth else 0,
                     "predicted_peak_bytes": round(a + b * depth)})
     residual = max(abs(p - (a + b * d)) for d, p in points.items())
     return {"config": row["config"], "label": row["label"], "intercept_bytes": round(a), "bytes_per_block": round(b),

@@ -29,7 +29,7 @@ from dml_optim.benchmark.targets import auto_label, reference, speed_row, versus
 from dml_optim.benchmark.timing import reference_name
 from dml_optim.console import DEFAULT_OUTPUT_DIR
 
-__all__ = ["format_report", "format_summary", "memory_table", "graph_table", "instances_table", "host_table",
+__all__ = ["format_report", "format_summary", "speed_table", "memory_table", "graph_table", "instances_table", "host_table",
            "lowbit_table", "nonepattern_table", "construction_table", "loops_table", "eager_loops_table", "target_cells", "targets_table", "ratio_cell",
            "not_measured_lines", "default_output_path", "write_json"]
 
@@ -55,7 +55,8 @@ def _header(doc: dict[str, Any]) -> str:
             f"{doc['created']}{'' if doc['complete'] else ' (incomplete)'}, {doc['elapsed_s']:.0f} s")
 
 
-def _speed(doc: dict[str, Any]) -> list[str]:
+def speed_table(doc: dict[str, Any]) -> list[str]:
+    """The speed rows of a bench document as report lines (none where it has no results)."""
     if not doc["results"]:
         return []
     kernels = any(r["kernel_ms"] is not None for r in doc["results"])
@@ -383,7 +384,7 @@ def _failures(doc: dict[str, Any]) -> list[str]:
 
 def format_report(doc: dict[str, Any]) -> str:
     """Every section of ``doc`` as markdown tables, then failures and the targets."""
-    parts = [[_header(doc)], _speed(doc), memory_table(doc), graph_table(doc), instances_table(doc), host_table(doc),
+    parts = [[_header(doc)], speed_table(doc), memory_table(doc), graph_table(doc), instances_table(doc), host_table(doc),
              lowbit_table(doc), nonepattern_table(doc), construction_table(doc), loops_table(doc), eager_loops_table(doc),
              _failures(doc), not_measured_lines(doc), targets_table(doc)]
     return "\n\n".join("\n".join(p) for p in parts if p)

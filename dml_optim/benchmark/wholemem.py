@@ -76,7 +76,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["SCHEMA", "Config", "CONFIGS", "LEAN_FP16", "MODELS", "ModelSpec", "MMAP_THRESHOLD", "NOT_ON_DIRECTML",
+__all__ = ["add_ratios", "SCHEMA", "Config", "CONFIGS", "LEAN_FP16", "MODELS", "ModelSpec", "MMAP_THRESHOLD", "NOT_ON_DIRECTML",
            "RECOMMENDED", "availability", "measure", "measure_one", "run_child", "row_fields", "format_table",
            "default_output_path", "bench_tasks", "main"]
 
@@ -707,11 +707,12 @@ def measure(configs: Sequence[str] | None = None, *, model: str = "mlp", styles:
                                baseline_bytes=res["baseline_bytes"], seconds=res["seconds"], losses=res["losses"])
                 log(f"    {_describe_row(row)}")
             doc["rows"].append(row)
-    _ratios(doc)
+    add_ratios(doc)
     return doc
 
 
-def _ratios(doc: dict[str, Any]) -> None:
+def add_ratios(doc: dict[str, Any]) -> None:
+    """Each measured row's ``ratio_to_reference``: its peak over torch.optim.AdamW FP32's, same ``zero_grad`` style."""
     ref = {r["set_to_none"]: r["peak_bytes"] for r in doc["rows"]
            if r["config"] == REFERENCE and r["status"] == "measured"}
     for r in doc["rows"]:
@@ -780,7 +781,7 @@ def bench_tasks(plan, task: Callable[[str, str, Callable], Any]) -> list:
         def run(doc, log, key=key):
             part = measure([key], model=model, device=str(plan.device), log=log)
             doc.setdefault("wholemem", []).extend(dict(r, model=part["model"]) for r in part["rows"])
-            _ratios({"rows": doc["wholemem"]})
+            add_ratios({"rows": doc["wholemem"]})
         tasks.append(task("wholemem", f"wholemem: {key} on {model}, both zero_grad styles, in subprocesses", run))
     return tasks
 

@@ -247,6 +247,17 @@ class StepInBackward:
 
     # -- setup ------------------------------------------------------------------------------------------------
 
+    @property
+    def installed(self) -> bool:
+        """Whether the hooks are in place (False after :meth:`remove`)."""
+        return bool(self._handles)
+
+    def position_of(self, param: torch.nn.Parameter) -> tuple[int, int]:
+        """Where ``param`` steps: ``(buffer, position)``, the arguments of ``optimizer.step_run(buffer, {position:
+        grad})`` (``KeyError`` for a parameter this handle does not step)."""
+        run, j = self._where[id(param)]
+        return run.buffer, run.positions[j]
+
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
