@@ -538,11 +538,7 @@ def _refuse_compiled(optimizer) -> None:
 
     if not isinstance(optimizer, FlatOptimizer):
         return
-    try:
-        from dml_optim.backends.choose import resolved_backends
-    except ImportError:  # pragma: no cover - a backends module without it compiles nothing
-        return
-    if any(b == "compiled" for names in resolved_backends(optimizer) for b in names):
+    if any(b == "compiled" for names in optimizer.resolved_backends() for b in names):
         raise ValueError(
             "audit_step audits the eager op chain that DirectML runs, but this optimizer compiles some of its "
             "flat buffers (torch.compile on CPU/CUDA); construct it with backend='eager' to audit it"

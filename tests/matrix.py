@@ -162,6 +162,17 @@ def _sgd_ref(h, k, x, g, s):
     return xn, ([b] if b is not None else [])
 
 
+def _no_twin(h):
+    raise NoTwin("torch.optim has no Lion")
+
+
+def _lion_ref(h, k, x, g, s):
+    """Lion, Chen et al. 2023, Algorithm 2 (no step count in the update)."""
+    xn, m = ref.lion(x, g, s[0], lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
+                     maximize=h.get("maximize", False))
+    return xn, [m]
+
+
 def _momentum_ref(h, k, x, g, s):
     """ONNX Momentum-1 at T = k."""
     (xn,), (v,) = ref.onnx_momentum(h["lr"], k, [x], [g], [s[0]], alpha=h["alpha"], beta=h["beta"], mode=h["mode"],
@@ -190,7 +201,7 @@ class Entry:
     name: str
     dtypes: tuple[torch.dtype, ...]
     variants: tuple[Variant, ...]
-    torch_class: type
+    torch_class: type | None  # None: torch.optim has no twin (Lion); ``to_torch`` raises NoTwin
     to_torch: Callable[[Mapping[str, Any]], dict]
     reference: Callable
     intervals: tuple[Interval, ...]
@@ -326,6 +337,18 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in (
         ("momentum_buffer",), None,
         stateless=lambda h: h["momentum"] == 0,
     ),
+    Entry(
+        "lion", (F64, F32),
+        (
+            Variant("lion", dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False),
+                    dict(lr=3e-4, beta1=0.8, beta2=0.95, weight_decay=0.1, maximize=False)),
+            Variant("lion-decay-maximize", dict(lr=1e-3, beta1=0.95, beta2=0.98, weight_decay=0.3, maximize=True),
+                    dict(lr=3e-4, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=True)),
+        ),
+        None, _no_twin, _lion_ref,
+        (("lr", 0, None, False), ("beta1", *_UNIT_OPEN), ("beta2", *_UNIT_OPEN), ("weight_decay", 0, None, False)),
+        ("exp_avg",), None,
+    ),
 )}
 
 
@@ -435,6 +458,15 @@ class Case:
         kwargs = {**implementation, **self.entry.to_torch(self.variant.hyper), **torch_kwargs}
         return self.entry.torch_class(params, **kwargs)
 
+    def reference_twin(self, params) -> "ReferenceTwin":
+        """The float64 NumPy reference stepping ``params`` (one group, the variant's first hyperparameters): the
+        twin of an optimizer torch.optim has none of (Lion), for tests that only step both."""
+        return ReferenceTwin(self, params)
+
+    def twin_or_reference(self, params):
+        """:meth:`twin` where torch.optim has one, else :meth:`reference_twin`."""
+        return self.twin(params) if self.has_twin else self.reference_twin(params)
+
     def torch_tolerance(self) -> dict:
         """Tolerance overrides for long runs against the torch twin (tests/tolerances.py)."""
         return dict(self.entry.torch_tolerance.get(self.dtype, {}))
@@ -451,6 +483,38 @@ class Case:
     def epsilon_kwargs(self, value: float) -> dict[str, float]:
         """``{epsilon name: value}`` (empty for a rule without epsilon)."""
         return {self.entry.epsilon: value} if self.entry.epsilon else {}
+
+
+class ReferenceTwin:
+    """The float64 NumPy reference (:meth:`Case.reference_step`) as an optimizer: ``step()`` steps every
+    parameter with a gradient from its own states and count (states start at the entry's initial value), and
+    writes the result back in the parameter's dtype; ``zero_grad()`` as torch's."""
+
+    def __init__(self, case: Case, params):
+        self.case, self.params = case, list(params)
+        self.hyper = {**case.cls.spec.defaults(), **case.variant.hyper}
+        self.counts = [0] * len(self.params)
+        self.states: list[list[torch.Tensor] | None] = [None] * len(self.params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if self.states[i] is None:
+                start = self.case.entry.initial(self.hyper)
+                self.states[i] = [torch.full(p.shape, start, dtype=torch.float64, device=p.device)
+                                  for _ in self.case.entry.states_for(self.hyper)]
+            x, self.states[i] = self.case.reference_step(self.hyper, self.counts[i], p, p.grad, self.states[i])
+            p.copy_(x.to(p.dtype))
+            self.counts[i] += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
 
 _NO_CUDA = pytest.mark.skipif(

@@ -218,9 +218,8 @@ def test_compiled_backend_is_refused():
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.ones(3)
     opt = dml_optim.Adam([p], backend="compiled")
-    from dml_optim.backends.choose import resolved_backends
 
-    if resolved_backends(opt) != [["compiled"]]:
+    if opt.resolved_backends() != [["compiled"]]:
         pytest.skip("torch.compile is unavailable here, so nothing compiles (the refusal cannot trigger)")
     with pytest.raises(ValueError, match="backend='eager'"):
         audit_step(opt)
@@ -252,7 +251,9 @@ def test_torch_equivalent_mapping_and_errors():
     with pytest.raises(TypeError, match="betas"):
         torch_equivalent("adam", p, betas=(0.9, 0.99))
     with pytest.raises(ValueError, match="name"):
-        build("lion", p)
+        build("sophia", p)
+    with pytest.raises(ValueError, match="lion.*no torch.optim twin"):
+        torch_equivalent("lion", p)
 
 
 # --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ few seconds per kernel.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from types import SimpleNamespace
 
@@ -24,8 +25,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import dml_optim
+from dml_optim import testing
 from dml_optim.backends import choose as backends, compiled
-from dml_optim.backends import direct as direct_calls
 from dml_optim.backends import eager as eager_backend
 from dml_optim.backends.compiled import CompileFallbackWarning
 from dml_optim.core.opcount import OpRecorder
@@ -110,16 +111,24 @@ def test_compiled_skip_on_overflow_matches_eager(no_fallback_warnings):
                     assert torch.equal(p.detach(), b)
         runs[backend] = [p.detach().clone() for p in params]
         if backend == "compiled":
-            assert backends.resolved_backends(opt) == [["compiled"]]
+            assert opt.resolved_backends() == [["compiled"]]
     for c, e in zip(runs["compiled"], runs["eager"]):
         assert_close(c, e)
 
 
 @pytest.fixture
-def isolated_cache(monkeypatch):
+def isolated_cache():
     """A private compile cache, so an injected failure cannot leak into other tests."""
-    monkeypatch.setattr(compiled, "_KERNELS", {})
-    monkeypatch.setattr(compiled, "_BROKEN", {})
+    with testing.isolated_kernel_cache():
+        yield
+
+
+@pytest.fixture
+def use_compiler():
+    """``use_compiler(fn)``: the compiled backend compiles with ``fn`` (torch.compile's signature) for the rest of
+    the test, in a kernel cache of its own (:func:`dml_optim.testing.compiler`)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda fn: stack.enter_context(testing.compiler(fn))
 
 
 def _steps(opt, params, n, seed=5):
@@ -131,11 +140,11 @@ def _steps(opt, params, n, seed=5):
 
 
 @pytest.fixture
-def kernels_run_eagerly(monkeypatch, isolated_cache):
+def kernels_run_eagerly():
     """torch.compile replaced by the identity: the compiled backend runs its kernels' Python code
     (``update.fused_step``) eagerly, in seconds and without a compiler."""
-    monkeypatch.setattr(compiled, "_torch_compile", lambda fn, **kwargs: fn)
-    monkeypatch.setattr(compiled, "compile_available", lambda device_type: (True, ""))
+    with testing.compiler(lambda fn, **kwargs: fn):
+        yield
 
 
 #: the kernel's variants: (parameter dtype, options, a step with an inf gradient)
@@ -158,7 +167,7 @@ def test_the_kernels_python_code_run_eagerly_matches_the_eager_backend(case, mod
     dtype, options, bad_step = KERNEL_MODES[mode]
     if dtype not in case.cls.dtypes and not options.get("master_weights"):
         pytest.skip(f"{case.cls.__name__} has no {dtype} parameters")
-    if options.get("kahan") and not compiled._emulates_casts():
+    if options.get("kahan") and not testing.inductor_rounds_casts():
         pytest.skip(f"torch {torch.__version__}'s inductor cannot round intermediate casts (emulate_precision_casts, "
                     "torch >= 2.5): Kahan runs eager there, announced (test_kahan covers that fallback)")
     runs = {}
@@ -174,7 +183,7 @@ def test_the_kernels_python_code_run_eagerly_matches_the_eager_backend(case, mod
             opt.step()
         runs[backend] = (params, opt)
     (ours, opt), (ref, ref_opt) = runs["compiled"], runs["eager"]
-    assert backends.resolved_backends(opt) == [["compiled"]] and compiled.fell_back(opt) is None
+    assert opt.resolved_backends() == [["compiled"]] and opt.compile_fallback is None
     for p, q in zip(ours, ref):
         assert_close(p.detach(), q.detach())
         for name, value in ref_opt.state[q].items():
@@ -182,7 +191,7 @@ def test_the_kernels_python_code_run_eagerly_matches_the_eager_backend(case, mod
                          **TOL[dtype if dtype in (torch.float64, torch.float32) else torch.float16])
 
 
-def test_compile_failure_falls_back_with_one_warning(monkeypatch, isolated_cache):
+def test_compile_failure_falls_back_with_one_warning(use_compiler):
     calls = []
 
     def broken_compile(fn, **kwargs):
@@ -191,8 +200,7 @@ def test_compile_failure_falls_back_with_one_warning(monkeypatch, isolated_cache
             raise RuntimeError("injected inductor failure")
         return raising
 
-    monkeypatch.setattr(compiled, "_torch_compile", broken_compile)
-    monkeypatch.setattr(compiled, "compile_available", lambda device_type: (True, ""))
+    use_compiler(broken_compile)
     params, ref_params = _params(), _params()
     opt = dml_optim.Adam(params, lr=1e-2, backend="compiled")
     ref = dml_optim.Adam(ref_params, lr=1e-2, backend="eager")
@@ -200,8 +208,8 @@ def test_compile_failure_falls_back_with_one_warning(monkeypatch, isolated_cache
         _steps(opt, params, 5)
     assert len([w for w in record if issubclass(w.category, CompileFallbackWarning)]) == 1
     assert calls == [1]  # tried once, then eager for good
-    assert "injected inductor failure" in compiled.fell_back(opt)
-    assert backends.resolved_backends(opt) == [["eager"]]
+    assert "injected inductor failure" in opt.compile_fallback
+    assert opt.resolved_backends() == [["eager"]]
     _steps(ref, ref_params, 5)
     for p, r in zip(params, ref_params):
         assert torch.equal(p.detach(), r.detach())  # the fallback is exactly the eager rule
@@ -271,7 +279,30 @@ def _not_fused(which: str, **extra):
     return params, case_of(name).build(params, backend="auto", **{**options, **extra})
 
 
-@pytest.mark.parametrize("name", list(ENTRIES))
+#: The optimizers whose rule names a torch fused CPU kernel (Lion's has none: torch has no Lion).
+FUSED_NAMES = [name for name, e in ENTRIES.items() if e.cls.rule.fused is not None]
+
+
+def test_only_an_optimizer_torch_has_no_kernel_for_lacks_one():
+    assert sorted(set(ENTRIES) - set(FUSED_NAMES)) == ["lion"]
+
+
+def test_auto_runs_an_optimizer_without_a_fused_kernel_eagerly_and_tiers_it():
+    """Lion (no torch kernel): ``backend="auto"`` runs a small CPU buffer eagerly, bit for bit
+    ``backend="eager"``, and tiers a buffer the eager chain would spend a compile's time on, as any CPU buffer
+    torch's fused kernel cannot run."""
+    params, ref = _params(), _params()
+    opt, twin = dml_optim.Lion(params, lr=1e-3), dml_optim.Lion(ref, lr=1e-3, backend="eager")
+    assert opt.resolved_backends() == [["eager"]]
+    _steps(opt, params, 3)
+    _steps(twin, ref, 3)
+    assert all(torch.equal(p, q) for p, q in zip(params, ref))
+    big = torch.nn.Parameter(torch.randn(backends.AUTO_TIER_MIN_ELEMENTS["cpu"]))
+    tiered = dml_optim.Lion([big], lr=1e-3)
+    assert tiered.resolved_backends() == [["eager"]] and tiered.tiering_pending() == COMPILE_OK
+
+
+@pytest.mark.parametrize("name", FUSED_NAMES)
 def test_auto_runs_plain_cpu_buffers_with_torchs_fused_kernel(name):
     """``backend="auto"`` (the default) runs a plain float32 or float64 CPU buffer with torch's fused kernel,
     whatever its size: no eager time is counted (nothing to tier), nothing compiles."""
@@ -280,15 +311,15 @@ def test_auto_runs_plain_cpu_buffers_with_torchs_fused_kernel(name):
             continue
         params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in SHAPES]
         opt = ENTRIES[name].cls(params, lr=1e-3)  # backend="auto" is the default
-        assert backends.resolved_backends(opt) == [["fused"]]  # (decided before the first step too)
+        assert opt.resolved_backends() == [["fused"]]  # (decided before the first step too)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback of any kind
             _steps(opt, params, 2)
-        assert backends.resolved_backends(opt) == [["fused"]]
-        assert buffers(opt)[0].eager_seconds == 0.0 and not backends.tiering_pending(opt)
+        assert opt.resolved_backends() == [["fused"]]
+        assert buffers(opt)[0].eager_seconds == 0.0 and not opt.tiering_pending()
     big = torch.nn.Parameter(torch.randn(backends.AUTO_TIER_MIN_ELEMENTS["cpu"]))  # (a size the eager chain tiers)
     opt = ENTRIES[name].cls([big], lr=1e-3)
-    assert backends.resolved_backends(opt) == [["fused"]] and not backends.tiering_pending(opt)
+    assert opt.resolved_backends() == [["fused"]] and not opt.tiering_pending()
 
 
 @pytest.mark.parametrize("which", [pytest.param(w)
@@ -307,7 +338,7 @@ def test_auto_keeps_small_buffers_fused_kernel_cannot_run_eager(which):
         with recorder:
             opt.step()
     assert recorder.ops > 2 and not any(name.startswith("aten::_fused_") for name in recorder.counts())
-    assert backends.resolved_backends(opt) == [["eager"]]
+    assert opt.resolved_backends() == [["eager"]]
 
 
 @pytest.mark.parametrize("which", ["float16-params", "state-dtype", "norm-coefficient-post", "quantized"])
@@ -318,13 +349,13 @@ def test_auto_compiles_large_buffers_fused_kernel_cannot_run(which, kernels_run_
     monkeypatch.setitem(backends.AUTO_COMPILE_MIN_ELEMENTS, "cpu", 64)
     monkeypatch.setitem(backends.AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED, "cpu", 64)
     params, opt = _not_fused(which)
-    assert backends.resolved_backends(opt) == [["compiled"]]
+    assert opt.resolved_backends() == [["compiled"]]
     _steps(opt, params, 2)
-    assert backends.resolved_backends(opt) == [["compiled"]] and compiled.fell_back(opt) is None
+    assert opt.resolved_backends() == [["compiled"]] and opt.compile_fallback is None
     plain = [torch.nn.Parameter(torch.randn(33)) for _ in range(3)]
     plain_opt = dml_optim.AdamW(plain)
     _steps(plain_opt, plain, 2)
-    assert backends.resolved_backends(plain_opt) == [["fused"]]
+    assert plain_opt.resolved_backends() == [["fused"]]
 
 
 def test_compiled_on_directml_warns_once_and_runs_eager(isolated_cache, monkeypatch):
@@ -335,7 +366,7 @@ def test_compiled_on_directml_warns_once_and_runs_eager(isolated_cache, monkeypa
     with pytest.warns(CompileFallbackWarning, match="privateuseone") as record:
         _steps(opt, params, 3)
     assert len([w for w in record if issubclass(w.category, CompileFallbackWarning)]) == 1
-    assert backends.resolved_backends(opt) == [["eager"]]
+    assert opt.resolved_backends() == [["eager"]]
 
 
 def _aten_compute_events(step) -> list[str]:
@@ -431,7 +462,7 @@ def test_instances_epsilons_and_lengths_reuse_one_graph(no_fallback_warnings):
     run(64, 1e-8, 0)  # warm-up: compiles (or loads) the graph of this structure
     graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
     opts = [run(n, eps, i) for i in range(12) for eps in (1e-8, 1e-6, 1e-4) for n in (64, 1000)]
-    assert all(backends.resolved_backends(o) == [["compiled"]] for o in opts)
+    assert all(o.resolved_backends() == [["compiled"]] for o in opts)
     assert counters["stats"]["unique_graphs"] - graphs <= 1, "graphs were compiled per instance, epsilon or length"
     assert counters["frames"]["total"] - frames <= 1
 
@@ -452,7 +483,7 @@ def test_a_cpu_kernel_first_compiled_for_a_small_buffer_still_runs_its_loop_on_t
     p.grad = torch.ones(16)
     with inductor_config.patch(force_disable_caches=True):  # generate the code, do not load it
         _, code = run_and_get_code(opt.step)
-    assert backends.resolved_backends(opt) == [["compiled"]]
+    assert opt.resolved_backends() == [["compiled"]]
     assert code and all("#pragma omp parallel" in c for c in code), code
 
 
@@ -476,7 +507,7 @@ def test_compiled_float64_computes_its_coefficients_in_float64(no_fallback_warni
         for p, b, g, s in zip(params, before, G, states):
             x, _ = case.reference_step(hyper, k, b, g, s)
             assert_close(p.detach() - b, x - b)  # the update itself, to float64's tolerance
-    assert backends.resolved_backends(opt) == [["compiled"]]
+    assert opt.resolved_backends() == [["compiled"]]
 
 
 @pytest.mark.slow
@@ -496,20 +527,24 @@ def test_compiled_adamw_matches_torch(amsgrad, no_fallback_warnings):
         ref.step()
     for p, q in zip(ours_p, ref_p):
         assert_close(p.detach(), q.detach())
-    assert backends.resolved_backends(ours) == [["compiled"]]
+    assert ours.resolved_backends() == [["compiled"]]
 
 
 @needs_compiler
-def test_reaching_the_recompile_limit_is_announced_and_runs_eager(monkeypatch, isolated_cache):
+def test_reaching_the_recompile_limit_is_announced_and_runs_eager(isolated_cache):
     """Past dynamo's recompile limit dynamo would silently run Python: we say so and run eager."""
-    monkeypatch.setattr(compiled, "_recompile_limit", lambda: 1)
+    with testing.recompile_limit(1):
+        _recompile_limit_run()
+
+
+def _recompile_limit_run():
     params, ref_params = _params(), _params()
     opt = dml_optim.Momentum(params, lr=1e-2, backend="compiled")
     ref = dml_optim.Momentum(ref_params, lr=1e-2, backend="eager")
     with pytest.warns(CompileFallbackWarning, match="recompile limit") as record:
         _steps(opt, params, 4)
     assert len([w for w in record if issubclass(w.category, CompileFallbackWarning)]) == 1
-    assert backends.resolved_backends(opt) == [["eager"]]
+    assert opt.resolved_backends() == [["eager"]]
     _steps(ref, ref_params, 4)
     for p, r in zip(params, ref_params):
         assert_close(p.detach(), r.detach())
@@ -611,18 +646,21 @@ def test_every_compiled_kernel_is_one_graph_without_breaks(name, variant, gated)
                      **({"nonfinite": "skip"} if gated else {}))
     for _ in range(2):
         opt.step()
-    assert backends.resolved_backends(opt) == [["compiled"], ["compiled"]]
+    assert opt.resolved_backends() == [["compiled"], ["compiled"]]
     assert dict(counters["graph_break"]) == {}
 
 
 # -- calling a kernel without its dynamo frame ------------------------------------------------------
 
 
-def _direct_run(monkeypatch, direct: bool) -> tuple[list[torch.Tensor], list]:
+def _direct_run(direct: bool) -> tuple[list[torch.Tensor], list]:
     """Two groups (two buffer lengths), a scheduler-like lr change, a Kahan-free AdamW: parameters
-    after 6 compiled steps, and each kernel's direct caller (None where dynamo's call runs)."""
-    monkeypatch.setattr(compiled, "_KERNELS", {})
-    monkeypatch.setattr(direct_calls, "DIRECT_CALLS", direct)
+    after 6 compiled steps, and whether each kernel is called directly (None: untried, False: dynamo's call)."""
+    with testing.isolated_kernel_cache(), testing.direct_calls(direct):
+        return _direct_steps()
+
+
+def _direct_steps():
     gen = torch.Generator().manual_seed(9)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (300, 41, 7)]
     opt = dml_optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}], lr=1e-2,
@@ -633,40 +671,38 @@ def _direct_run(monkeypatch, direct: bool) -> tuple[list[torch.Tensor], list]:
         if k == 3:
             opt.param_groups[0]["lr"] = 5e-3
         opt.step()
-    return [p.detach().clone() for p in params], [getattr(fn, "_dml_direct", None) for fn in compiled._KERNELS.values()]
+    return [p.detach().clone() for p in params], [k.direct for k in testing.kernels()]
 
 
 @needs_compiler
-def test_a_verified_direct_call_gives_the_guarded_calls_results_bit_for_bit(monkeypatch):
+def test_a_verified_direct_call_gives_the_guarded_calls_results_bit_for_bit():
     """A plain kernel is called without its dynamo frame after its first call (once a probe call agreed
     bit for bit with dynamo's): six steps over two buffer lengths and an lr change give exactly what
     dynamo's guarded call gives."""
-    guarded, callers = _direct_run(monkeypatch, direct=False)
-    assert callers and all(c is None for c in callers)
-    direct, callers = _direct_run(monkeypatch, direct=True)
-    assert callers and all(c is not None for c in callers)
+    guarded, callers = _direct_run(direct=False)
+    assert callers and not any(callers)
+    direct, callers = _direct_run(direct=True)
+    assert callers and all(c is True for c in callers)
     for a, b in zip(direct, guarded):
         assert torch.equal(a, b)
 
 
 @needs_compiler
-def test_a_direct_call_that_disagrees_with_dynamo_is_never_used(monkeypatch):
+def test_a_direct_call_that_disagrees_with_dynamo_is_never_used():
     """If the probe call through the plan differs from dynamo's (a graph whose inputs were placed
     wrongly), the key keeps dynamo's guarded call, and the steps stay right."""
-    monkeypatch.setattr(compiled._Direct, "__call__", lambda self, args: args[0].add_(1.0))
-    wrong, callers = _direct_run(monkeypatch, direct=True)
-    assert callers and all(c is None for c in callers)
-    monkeypatch.undo()
-    right, _ = _direct_run(monkeypatch, direct=False)
+    with testing.direct_call_override(lambda args: args[0].add_(1.0)):
+        wrong, callers = _direct_run(direct=True)
+    assert callers and all(c is False for c in callers)
+    right, _ = _direct_run(direct=False)
     for a, b in zip(wrong, right):
         assert torch.equal(a, b)
 
 
 @needs_compiler
-def test_a_one_element_range_goes_through_dynamo(monkeypatch):
+def test_a_one_element_range_goes_through_dynamo(isolated_cache):
     """dynamo specializes lengths 0 and 1: a one-element buffer never takes the direct call (its
     graph may be another), and a kernel first compiled for one element gets no direct caller."""
-    monkeypatch.setattr(compiled, "_KERNELS", {})
     p = torch.nn.Parameter(torch.tensor([0.5]))
     q = torch.nn.Parameter(p.detach().clone())
     opt = dml_optim.Adagrad([p], lr=0.1, backend="compiled")
@@ -675,7 +711,7 @@ def test_a_one_element_range_goes_through_dynamo(monkeypatch):
         p.grad, q.grad = torch.tensor([0.1 * (k + 1)]), torch.tensor([0.1 * (k + 1)])
         opt.step()
         ref.step()
-    assert [getattr(fn, "_dml_direct", "untried") for fn in compiled._KERNELS.values()] == [None]
+    assert [k.direct for k in testing.kernels()] == [False]
     torch.testing.assert_close(p.detach(), q.detach())
 
 
@@ -709,12 +745,12 @@ def test_auto_compiles_a_smaller_cpu_buffer_after_running_eagerly_for_a_compiles
         p.grad, q.grad = g.clone(), g.clone()
         opt.step()
         ref.step()
-        seen.append(backends.resolved_backends(opt)[0][0])
+        seen.append(opt.resolved_backends()[0][0])
         if seen[-1] == "compiled" and seen.count("compiled") > 3:
             break
     # ten eager steps of 2 ms reach the 20 ms: the eleventh step runs compiled
     assert seen.index("compiled") == 10 and seen[-1] == "compiled", seen[:12]
-    assert not backends.tiering_pending(opt)
+    assert not opt.tiering_pending()
     torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
@@ -731,8 +767,8 @@ def test_small_and_quantized_buffers_never_tier():
         opt = dml_optim.Adam([p], **options)
         for _ in range(3):
             opt.step()
-        assert backends.resolved_backends(opt) == [["eager"]], options
-        assert buffers(opt)[0].eager_seconds == 0.0 and not backends.tiering_pending(opt), options
+        assert opt.resolved_backends() == [["eager"]], options
+        assert buffers(opt)[0].eager_seconds == 0.0 and not opt.tiering_pending(), options
 
 
 def test_a_buffer_that_tiers_is_pending_until_it_compiles(monkeypatch):
@@ -746,10 +782,10 @@ def test_a_buffer_that_tiers_is_pending_until_it_compiles(monkeypatch):
     opt = dml_optim.AdamW([p], **TIERED)
     opt.step()
     spent = buffers(opt)[0].eager_seconds
-    assert spent > 0 and backends.tiering_pending(opt)
-    assert backends.resolved_backends(opt) == [["eager"]]
+    assert spent > 0 and opt.tiering_pending()
+    assert opt.resolved_backends() == [["eager"]]
     monkeypatch.setitem(backends.AUTO_COMPILE_AFTER_EAGER_S, "cpu", spent)  # (its time reaches the threshold)
-    assert backends.resolved_backends(opt) == [["compiled"]] and not backends.tiering_pending(opt)
+    assert opt.resolved_backends() == [["compiled"]] and not opt.tiering_pending()
 
 
 def test_the_eager_time_survives_a_repack():
@@ -761,7 +797,7 @@ def test_the_eager_time_survives_a_repack():
     a.grad = torch.randn(n)
     for _ in range(3):
         opt.step()
-    assert backends.resolved_backends(opt) == [["eager"]]
+    assert opt.resolved_backends() == [["eager"]]
     spent = buffers(opt)[0].eager_seconds
     assert spent > 0
     b.requires_grad_(True)

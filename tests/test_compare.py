@@ -56,7 +56,7 @@ def test_synthetic_stream_spans_1e_8_to_1e2():
 
 def test_compare_rejects_bad_arguments():
     with pytest.raises(ValueError, match="optimizer"):
-        P.compare("lion", steps=1)
+        P.compare("sophia", steps=1)
     with pytest.raises(ValueError, match="steps"):
         P.compare("adam", steps=0)
     with pytest.raises(ValueError, match="recorded"):

@@ -33,9 +33,9 @@ def _fresh_probe(monkeypatch):
     """No cached probe result leaks between tests; sys.modules['torch_directml'] is restored."""
     monkeypatch.setitem(sys.modules, "torch_directml", None)  # records the original state for undo
     monkeypatch.delitem(sys.modules, "torch_directml")
-    DEVICE_MODULE._probe_subprocess.cache_clear()
+    DEVICE_MODULE.probe_subprocess.cache_clear()
     yield
-    DEVICE_MODULE._probe_subprocess.cache_clear()
+    DEVICE_MODULE.probe_subprocess.cache_clear()
 
 
 class _FailingLoader(importlib.abc.Loader):

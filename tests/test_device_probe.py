@@ -72,11 +72,11 @@ def fake_plugin(tmp_path, monkeypatch):
         monkeypatch.syspath_prepend(str(tmp_path / kind))
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / kind), os.environ.get("PYTHONPATH", "")]))
         monkeypatch.delitem(sys.modules, "torch_directml", raising=False)
-        dml_device._probe_subprocess.cache_clear()
+        dml_device.probe_subprocess.cache_clear()
         return pkg
 
     yield install
-    dml_device._probe_subprocess.cache_clear()
+    dml_device.probe_subprocess.cache_clear()
     sys.modules.pop("torch_directml", None)
 
 
@@ -98,9 +98,9 @@ def test_probe_reports_every_failure_mode_without_raising(fake_plugin, kind):
 
 def test_probe_result_is_cached_per_process(fake_plugin):
     fake_plugin("no_device")
-    first = dml_device._probe_subprocess()
-    assert dml_device._probe_subprocess() is first
-    assert dml_device._probe_subprocess.cache_info().hits >= 1
+    first = dml_device.probe_subprocess()
+    assert dml_device.probe_subprocess() is first
+    assert dml_device.probe_subprocess.cache_info().hits >= 1
 
 
 def test_not_installed_is_reported_without_a_probe(monkeypatch):
@@ -110,7 +110,7 @@ def test_not_installed_is_reported_without_a_probe(monkeypatch):
     def no_probe():
         raise AssertionError("no probe expected when the package is absent")
 
-    monkeypatch.setattr(dml_device, "_probe_subprocess", no_probe)
+    monkeypatch.setattr(dml_device, "probe_subprocess", no_probe)
     assert dml_device.available() == (False, f"torch-directml is not installed ({dml_device.install_hint()})")
 
 

@@ -242,7 +242,7 @@ def test_lora_model_equals_torch_with_trainable_state_and_ops_only(pair, dtype, 
     # one buffer, one step class: the rule's ops (one fused kernel call), nothing else
     fused_ops = FUSED_STEP_OPS_SGD if pair.id == "momentum" else FUSED_STEP_OPS
     assert ops["lora"] == (fused_ops if fused else pair.rule_ops), ops
-    assert backends.resolved_backends(opt) == backends.resolved_backends(only) == [["fused" if fused else "eager"]]
+    assert opt.resolved_backends() == only.resolved_backends() == [["fused" if fused else "eager"]]
     for p, before in zip([p for p in model.parameters() if not p.requires_grad], frozen_before):
         assert torch.equal(p, before)
         assert p.grad is None
@@ -492,7 +492,7 @@ def test_random_none_gradients_equal_torch_and_ops_stay_bounded(pair, monkeypatc
             assert ops <= bound, (k, ops, distinct, bound)
             bound_used.append((ops, distinct))
     _assert_states_like_torch(opt, topt, pair)
-    assert backends.resolved_backends(opt) == [["eager"]]
+    assert opt.resolved_backends() == [["eager"]]
     # the pattern really did produce several step counts at once (the bound is not vacuous)
     assert max(d for _, d in bound_used) >= 3
 
@@ -511,7 +511,7 @@ def test_random_none_gradients_on_the_fused_path_equal_torch(pair):
         calls = sum(n for name, n in recorder.counts().items() if name.startswith("aten::_fused_"))
         assert 1 <= calls <= (1 if pair is ADAMW else distinct), (k, dict(recorder.counts()), distinct)
         most = max(most, distinct)
-    assert backends.resolved_backends(opt) == [["fused"]]
+    assert opt.resolved_backends() == [["fused"]]
     _assert_states_like_torch(opt, topt, pair)
     assert most >= 3
 
@@ -571,7 +571,7 @@ def test_fused_ops_per_step_do_not_grow_with_none_gradient_runs(size):
     counts = {}
     for runs in RUN_PATTERNS:
         recorders, last, opt = _steady_ops("auto", runs, LIST_MIN_ELEMENTS if in_place else size)
-        assert backends.resolved_backends(opt) == [["fused"]]
+        assert opt.resolved_backends() == [["fused"]]
         for r in recorders:
             kernels = {name: n for name, n in r.counts().items() if name.startswith("aten::_fused_")}
             assert kernels == {"aten::_fused_adam_": 1}, (runs, dict(r.counts()))

@@ -5,7 +5,7 @@ results are held to torch.optim's ``fused=True`` twin (the same kernel: equal bu
 its scalar tail computes in one layout and its vector loop in the other, 1 ulp per step: see
 :data:`TWIN`) and to the float64 references in the matrix tests (tests/test_optimizers.py).  Here: what is particular to it (where it runs and
 where it does not, fresh gradients read in place, counts it cannot take, the audit's view), the
-repeat of a steady step (``_repeat``: it must give bit for bit what the full path gives, under
+repeat of a steady step (the ``repeat`` option: it must give bit for bit what the full path gives, under
 every change a training loop can make between steps), and the O(1) binding check that is now the
 default (every kind of re-binding seen, against torch's fused twin that re-reads its bindings
 every step).
@@ -22,9 +22,8 @@ import torch
 
 import dml_optim
 from dml_optim.backends import fused
-from dml_optim.backends.choose import resolved_backends
 from dml_optim.core.opcount import OpRecorder
-from dml_optim.optimizers.base import FlatOptimizer
+from dml_optim.testing import binding_reads, step_limit_checks
 from introspect import buffers
 
 BIG = 1 << 14  # a parameter this large is read in place (fused.LIST_MIN_ELEMENTS)
@@ -93,7 +92,7 @@ def test_auto_runs_fused_on_the_cpu_and_equals_torchs_fused_twin(name):
         opt.step()
         twin.step()
         _assert_twin(ours, theirs, f"{name} step {step}")
-    assert resolved_backends(opt) == [["fused"]]
+    assert opt.resolved_backends() == [["fused"]]
 
 
 @pytest.mark.parametrize("options, why", [
@@ -110,7 +109,7 @@ def test_explicit_fused_where_it_cannot_run_warns_once_and_runs_autos_choice(opt
                 p.grad = torch.randn_like(p)
             opt.step()
     assert len(record) == 1
-    assert resolved_backends(opt)[0][0] in ("eager", "compiled")
+    assert opt.resolved_backends()[0][0] in ("eager", "compiled")
 
 
 def test_rules_no_torch_kernel_computes_are_not_fused():
@@ -122,7 +121,7 @@ def test_rules_no_torch_kernel_computes_are_not_fused():
             for p in group["params"]:
                 p.grad = torch.ones_like(p)
         opt.step()
-        assert resolved_backends(opt) == [["eager"]]
+        assert opt.resolved_backends() == [["eager"]]
 
 
 def test_a_float16_buffer_is_not_fused():
@@ -130,7 +129,7 @@ def test_a_float16_buffer_is_not_fused():
     opt = dml_optim.SGD([p], lr=0.1, momentum=0.9)
     p.grad = torch.ones_like(p)
     opt.step()
-    assert resolved_backends(opt) == [["eager"]]
+    assert opt.resolved_backends() == [["eager"]]
 
 
 def test_the_audit_sees_the_directml_op_chain_not_the_fused_kernel():
@@ -329,11 +328,6 @@ def test_a_step_under_another_default_device_equals_torch(name):
 # -- the steady-state repeat ---------------------------------------------------------------------------
 
 
-def _without_repeat(opt):
-    opt._repeat = lambda: False  # (an instance attribute: this optimizer always plans from scratch)
-    return opt
-
-
 def _repeating_and_not(name, shapes, checks):
     """Two copies of the same parameters and an optimizer ``name`` over each, with ``checks``; the second
     never repeats a step (it plans every step from scratch): (params, optimizers)."""
@@ -342,7 +336,7 @@ def _repeating_and_not(name, shapes, checks):
     opts = [TWINS[name][0](ps) for ps in params]
     for opt in opts:
         opt.checks = checks
-    _without_repeat(opts[1])
+    opts[1].repeat = False  # (plans every step from scratch)
     return params, opts
 
 
@@ -392,22 +386,13 @@ def test_the_repeated_step_equals_the_full_path_under_every_change(name, checks)
     opts = [make(ps[:3]) for ps in params]
     for opt in opts:
         opt.checks = checks
-    _without_repeat(opts[1])
+    opts[1].repeat = False  # (plans every step from scratch)
     repeats = []
-    real = FlatOptimizer._repeat
-
-    def counting(self):
-        done = real(self)
-        repeats.append(done)
-        return done
-
-    FlatOptimizer._repeat = counting
-    try:
-        for step in range(30):
-            _loop(opts, params, step, _events)
-            _assert_equal(params[0], params[1], f"{name} checks={checks} step {step}")
-    finally:
-        FlatOptimizer._repeat = real
+    for step in range(30):
+        _loop(opts, params, step, _events)
+        _assert_equal(params[0], params[1], f"{name} checks={checks} step {step}")
+        repeats.append(all(b.repeated for b in opts[0].flat_buffers()))
+    assert not any(b.repeated for b in opts[1].flat_buffers())
     assert sum(repeats) >= 5  # the quiet stretches of the loop repeat the plan (steps 2-4 at least)
 
 
@@ -603,16 +588,14 @@ def test_the_repeat_runs_without_grad_and_gives_the_callers_grad_mode_back(monke
     for enabled in (True, False):
         opt = _steady_adamw()
         monkeypatch.setattr(torch, "_fused_adamw_", kernel)
-        repeats = []
-        opt._repeat = lambda repeat=opt._repeat: repeats.append("tried") or repeats.append(repeat()) or repeats[-1]
         with torch.set_grad_enabled(enabled):
             opt.step()
-            assert torch.is_grad_enabled() is enabled
+            assert torch.is_grad_enabled() is enabled and buffers(opt)[0].repeated
             monkeypatch.setattr(torch, "_fused_adamw_", lambda *args, **kwargs: kernel(*args, fail=True, **kwargs))
             with pytest.raises(RuntimeError, match="injected"):
                 opt.step()
             assert torch.is_grad_enabled() is enabled
-        assert repeats == ["tried", True, "tried"] and seen == [False, False], (repeats, seen)  # (the second raised)
+        assert seen == [False, False], seen  # (the second raised)
         monkeypatch.undo()
         seen.clear()
 
@@ -694,11 +677,9 @@ def test_the_checks_see_every_rebinding_and_the_steps_stay_torchs(rebind, checks
 
 
 @pytest.mark.parametrize("checks", ["refs", "full"])
-def test_refs_is_o1_a_steady_step_reads_no_parameter(checks, monkeypatch):
+def test_refs_is_o1_a_steady_step_reads_no_parameter(checks):
     """``checks="refs"`` reads two use counts per buffer, no parameter: a step over 2,000 parameters reads
     no data pointer and no ``.grad`` of any of them (the default ``"full"`` reads each once)."""
-    from dml_optim.core import bindings as flat_module
-
     ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(2000)]
     opt = dml_optim.SGD(ps, lr=0.1, momentum=0.9, checks=checks)
     for p in ps:
@@ -708,19 +689,10 @@ def test_refs_is_o1_a_steady_step_reads_no_parameter(checks, monkeypatch):
     opt.step()
     opt.step()
     assert buffers(opt)[0].repeated
-    reads = {"data_ptr": 0, "grad": 0}
-
-    def counting(name, real):
-        def read(t):
-            reads[name] += 1
-            return real(t)
-        return read
-
-    monkeypatch.setattr(flat_module, "_DATA_PTR", counting("data_ptr", flat_module._DATA_PTR))
-    monkeypatch.setattr(flat_module, "_GRAD", counting("grad", flat_module._GRAD))
-    opt.step()
+    with binding_reads() as reads:
+        opt.step()
     assert buffers(opt)[0].repeated
-    assert reads == ({"data_ptr": 0, "grad": 0} if checks == "refs" else {"data_ptr": 2000, "grad": 2000})
+    assert dict(reads) == ({} if checks == "refs" else {"data_ptr": 2000, "grad": 2000})
 
 
 def test_full_also_sees_a_parameter_rebound_inside_its_own_buffer():
@@ -803,7 +775,7 @@ def test_per_step_scalars_beyond_the_dtype_are_refused_before_any_write(backend)
     for _ in range(3):
         opt.step()
     assert buffers(opt)[0].step_counts == (12,) and torch.isfinite(p).all()
-    assert resolved_backends(opt) == [[backend]]
+    assert opt.resolved_backends() == [[backend]]
 
 
 def test_the_range_check_runs_once_per_block_of_counts_not_once_per_step():
@@ -816,20 +788,10 @@ def test_the_range_check_runs_once_per_block_of_counts_not_once_per_step():
     sd["state"] = {0: {"step": torch.tensor(5.0), "exp_avg": torch.zeros(8), "exp_avg_sq": torch.zeros(8)},
                    1: {"step": torch.tensor(600.0), "exp_avg": torch.zeros(8), "exp_avg_sq": torch.zeros(8)}}
     opt.load_state_dict(sd)
-    calls = []
-    real = fused._counts_in_range
-
-    def counting(opt, group, flat, first, n):
-        calls.append(first)
-        return real(opt, group, flat, first, n)
-
-    fused._counts_in_range = counting
-    try:
+    with step_limit_checks() as calls:
         for _ in range(20):
             a.grad, b.grad = torch.ones(8), torch.ones(8)
             opt.step()
-    finally:
-        fused._counts_in_range = real
     assert sorted(calls) == [0, 512], calls  # (counts 5..24 in block 0, 600..619 in block 2)
     assert buffers(opt)[0].step_counts == (25, 620)
 
@@ -880,7 +842,7 @@ def test_the_audit_of_a_fused_optimizer_is_the_directml_chain_without_allocation
         for p, g in zip(ps, _grads([(30, 20), (20,)], 0)):
             p.grad = g
         opt.step()
-        assert resolved_backends(opt) == [["fused" if backend == "auto" else "eager"]]
+        assert opt.resolved_backends() == [["fused" if backend == "auto" else "eager"]]
         reports.append(audit_step(opt))
     fused_report, eager_report = reports
     assert fused_report.allocations == eager_report.allocations == 0

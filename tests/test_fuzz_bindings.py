@@ -9,9 +9,9 @@ stay *equal* to torch.optim's with ``fused=True`` (``torch.equal``), not merely 
 same seeded values):
 
 * ``ours``: a dml_optim optimizer as a user builds it (it repeats a steady step without planning it
-  again: ``FlatOptimizer._repeat``), with the binding checks a sequence draws: ``checks="full"`` (the
+  again: the ``repeat`` option), with the binding checks a sequence draws: ``checks="full"`` (the
   default), ``"refs"`` or ``"fast"``;
-* ``plain``: the same optimizer that never repeats (``_without_repeat`` of tests/test_fused.py: it plans
+* ``plain``: the same optimizer that never repeats (``repeat=False``: it plans
   every step from scratch), so a divergence says which of the fast path or the full path is wrong;
 * ``torch``: the torch.optim twin with ``fused=True`` (:data:`CONFIGS`; for Momentum one
   ``torch.optim.SGD`` per parameter: :class:`PerParameter` says why).
@@ -97,7 +97,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
-from test_fused import _without_repeat
 from tolerances import assert_close
 
 import dml_optim
@@ -235,17 +234,10 @@ class TrainingLoopBindings(RuleBasedStateMachine):
             for i in frozen:
                 ps[i].requires_grad_(False)
         ours, plain, theirs = self.sets
-        self.opts = [self.make_ours(ours), _without_repeat(self.make_ours(plain)), self.make_torch(theirs)]
+        self.opts = [self.make_ours(ours), self.make_ours(plain), self.make_torch(theirs)]
+        self.opts[1].repeat = False  # (plans every step from scratch)
         for opt in self.opts[:2]:
             opt.checks = checks  # (the binding checks: "full", the default, or the cheaper "refs" and "fast")
-        real = self.opts[0]._repeat
-
-        def counting():  # (an instance attribute, as _without_repeat's: counts the repeats it makes)
-            done = real()
-            PATHS["repeat"] += done
-            return done
-
-        self.opts[0]._repeat = counting
         self.held = [[] for _ in NAMES]
         self.ready = True
 
@@ -440,8 +432,11 @@ class TrainingLoopBindings(RuleBasedStateMachine):
                 assert counts[0] == counts[2], f"state_dict step of param {i}: ours {counts[0]} != torch {counts[2]}"
 
     def _count_paths(self):
-        """After a step of ours: a gradient that is not a view of its flat gradient buffer was read in place."""
-        homes = {b.grad.untyped_storage().data_ptr() for b in self.opts[0].flat_buffers() if b.grad is not None}
+        """After a step of ours: whether it repeated the last step's plan; a gradient that is not a view of its
+        flat gradient buffer was read in place."""
+        infos = self.opts[0].flat_buffers()
+        PATHS["repeat"] += bool(infos) and all(b.repeated for b in infos)
+        homes = {b.grad.untyped_storage().data_ptr() for b in infos if b.grad is not None}
         for p in self.sets[0]:
             if p.grad is not None:
                 PATHS["gathered" if p.grad.untyped_storage().data_ptr() in homes else "in_place"] += 1

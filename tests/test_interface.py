@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -46,13 +47,13 @@ def test_every_backend_implements_the_interface(name):
     p = torch.nn.Parameter(torch.randn(8))
     opt = dml_optim.AdamW([p], lr=1e-3)
     flat = opt.buffers_by_group()[0][1][0]
-    reason = backend.supports(opt, opt.param_groups[0], flat)
+    reason = backend.supports(opt.rule, opt.param_groups[0], flat)
     if name == "eager":
         assert reason is None
     elif name == "fused":
         assert reason is None
         opt.param_groups[0]["nonfinite"] = "skip"
-        assert "nonfinite" in backend.supports(opt, opt.param_groups[0], flat)
+        assert "nonfinite" in backend.supports(opt.rule, opt.param_groups[0], flat)
     else:
         assert (reason is None) is COMPILE_OK
 
@@ -72,7 +73,7 @@ def test_a_plan_made_and_run_through_the_interface_is_the_optimizers_step(backen
         p.grad.copy_(g)
         q.grad.copy_(g)
     a.step()
-    (request,) = b._requests(False)  # (the layout's work: bindings checked, states allocated)
+    (request,) = b.step_requests()  # (the layout's work: bindings checked, states allocated)
     plan = plan_step(request)
     assert isinstance(plan, Plan) and plan.backend == backend and plan.request.flat is request.flat
     run_plan(plan)
@@ -212,18 +213,18 @@ def test_the_eager_steady_call_equals_a_step_planned_from_scratch_under_every_ch
     values = [torch.randn(s, generator=gen) for s in [(5, 4), (16,), (3,)]]
     params = [[torch.nn.Parameter(v.clone()) for v in values] for _ in range(2)]
     opts = [dml_optim.AdamW(ps, lr=1e-2, weight_decay=0.1, backend="eager", checks=checks) for ps in params]
-    opts[1]._repeat = lambda: False  # (an instance attribute: plans every step from scratch)
+    opts[1].repeat = False  # (plans every step from scratch)
     repeated, steady = [], []
     for step in range(36):
         for opt, ps in zip(opts, params):
             _eager_events(opt, ps, step)
         for p, q in zip(*params):
             assert torch.equal(p, q), f"step {step}"
-        call = opts[0]._steady[0].plan.steady if opts[0]._steady else None
+        info = buffers(opts[0])[0]
+        call = info.bound
         if call is not None:  # (bound to the buffer's tensors of this step)
-            flat = opts[0].buffers_by_group()[0][1][0]
-            assert call[1][0] is flat.data and call[1][1] is flat.grad
-            assert all(t is flat.states[n] for t, n in zip(call[1][2:], call[4]))
+            assert call[0] is info.data and call[1] is info.grad
+            assert len(call) == 2 + len(info.states) and all(map(operator.is_, call[2:], info.states.values()))
         repeated.append(buffers(opts[0])[0].repeated)
         steady.append(repeated[-1] and call is not None)
     assert not buffers(opts[1])[0].repeated
@@ -241,13 +242,13 @@ def test_the_eager_steady_call_binds_again_when_a_buffer_tensor_is_replaced():
     for _ in range(4):
         p.grad = torch.ones(16) if p.grad is None else p.grad.fill_(1.0)
         opt.step()
-    assert buffers(opt)[0].repeated and opt._steady[0].plan.steady is not None
+    assert buffers(opt)[0].repeated and buffers(opt)[0].bound is not None
     flat = opt.buffers_by_group()[0][1][0]
     old, new = flat.states["exp_avg"], flat.states["exp_avg"].clone()
     flat.states["exp_avg"] = new
     before = old.clone()
     opt.step()
-    assert buffers(opt)[0].repeated and opt._steady[0].plan.steady[1][2] is new
+    assert buffers(opt)[0].repeated and buffers(opt)[0].bound[2] is new
     assert torch.equal(old, before) and not torch.equal(new, before)
 
 
@@ -288,8 +289,8 @@ def test_fused_plans_name_their_calls():
     for p, g in zip(ps, _grads(0)):
         p.grad = g
     opt.step()
-    (request,) = opt._requests(False)
+    (request,) = opt.step_requests()
     plan = plan_step(request)
     assert isinstance(plan, FusedPlan) and plan.calls and all(c.fn is torch._fused_adamw_ for c in plan.calls)
-    assert decide(opt, opt.param_groups[0], request.flat).plain == "fused"
+    assert decide(opt.owner, opt.param_groups[0], request.flat).plain == "fused"
     assert isinstance(request, StepRequest)

@@ -21,7 +21,7 @@ LOW = [torch.float16, torch.bfloat16]
 
 
 #: learning rates that move every parameter by ~1e-4 per step (well under half an FP16 ULP near 1)
-_LR = {"adam": 1e-4, "dml-adam": 1e-4, "adamw": 1e-4, "adagrad": 2e-3, "momentum": 1e-4, "sgd": 1e-4}
+_LR = {"adam": 1e-4, "dml-adam": 1e-4, "adamw": 1e-4, "adagrad": 2e-3, "momentum": 1e-4, "sgd": 1e-4, "lion": 1e-4}
 
 
 def _run(name, dtype, steps, seed=0, **kw):

@@ -15,6 +15,7 @@ that keep full-precision state (bitsandbytes' threshold).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import io
 import os
@@ -35,7 +36,8 @@ NAMES = sorted(registry.OPTIMIZERS)
 BITS = (8, 4)
 #: hyperparameters of each optimizer for these runs (a moment for SGD: without one it keeps no state)
 HYPER = {"adam": dict(lr=1e-3, epsilon=1e-8), "dml-adam": dict(lr=1e-3), "adamw": dict(lr=1e-3),
-         "adagrad": dict(lr=1e-2), "momentum": dict(lr=1e-2, alpha=0.9), "sgd": dict(lr=1e-2, momentum=0.9)}
+         "adagrad": dict(lr=1e-2), "momentum": dict(lr=1e-2, alpha=0.9), "sgd": dict(lr=1e-2, momentum=0.9),
+         "lion": dict(lr=3e-4)}
 _COMPILED = pytest.mark.skipif(not compile_available("cpu")[0],
                                reason=f"torch.compile unavailable here: {compile_available('cpu')[1]}")
 BACKENDS = [pytest.param("eager"), pytest.param("compiled", marks=[pytest.mark.slow, _COMPILED])]
@@ -92,6 +94,10 @@ def _state_snapshot(opt):
 #: 8-bit 0.97 to 1.00, 4-bit 0.85 to 0.99)
 DRIFT = {8: 0.08, 4: 0.6}
 LOSS = {8: 1.03, 4: 1.15}
+#: Lion's update is the sign of an interpolation: a quantization error of the momentum flips the sign of every
+#: element whose interpolation is within that error of 0, and each flip moves the element by 2 lr, so the
+#: trajectory drifts further for the same loss (observed: 8-bit 0.094, 4-bit 0.68; the loss bound is the same)
+DRIFT_OF = {"lion": {8: 0.15, 4: 0.9}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,10 +120,10 @@ def test_two_hundred_steps_stay_close_to_full_precision(name, bits, backend):
     assert len(_quantized(opt)) == len(type(opt).group_state_names(opt.param_groups[0]))
     ours = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert torch.isfinite(ours).all()
-    assert float((ours - ref).norm() / (ref - x0).norm()) < DRIFT[bits]
+    assert float((ours - ref).norm() / (ref - x0).norm()) < DRIFT_OF.get(name, DRIFT)[bits]
     assert loss < ref_loss * LOSS[bits]
     if backend == "compiled":
-        assert dml_optim.backends.choose.resolved_backends(opt) == [["compiled", "compiled"]]
+        assert opt.resolved_backends() == [["compiled", "compiled"]]
 
 
 @pytest.mark.slow
@@ -154,45 +160,38 @@ def test_the_compiled_step_gives_the_eager_codes(name, bits):
 def _compiled_run(monkeypatch, scratch_bound: int | None, one_call: bool | None = None):
     """8-bit AdamW on the compiled backend, 3 steps over one parameter of 4 x 33 blocks less 50 elements (the
     eager scratch bound lowered to ``scratch_bound`` bytes; ``one_call`` False: the CPU taken out of
-    ``compiled._ONE_CALL_DEVICES``, as on a torch whose kernel writes temporaries per element): its parameter,
+    ``dml_optim.testing.one_call_devices()``, as on a torch whose kernel writes temporaries per element): its parameter,
     the optimizer and its kernel calls (the blocks of each)."""
-    from dml_optim.backends import compiled, eager
+    from dml_optim import testing
+    from dml_optim.backends import eager
 
     if scratch_bound is not None:
         monkeypatch.setattr(eager, "MIN_SCRATCH", scratch_bound)
-    if one_call is not None:
-        monkeypatch.setattr(compiled, "_ONE_CALL_DEVICES", ("cpu",) if one_call else ())
-    calls = []
-    launch = compiled.CompiledBackend.__dict__["_launch"].__func__
-
-    def counted(opt, key, args, device, counting):
-        calls.append(args[0].shape[0])  # (the operands' first dimension: the call's blocks)
-        return launch(opt, key, args, device, counting)
-
-    monkeypatch.setattr(compiled.CompiledBackend, "_launch", staticmethod(counted))
-    params = [torch.nn.Parameter(torch.randn(4 * 33 * 256 - 50, generator=torch.Generator().manual_seed(0)))]
-    opt = dml_optim.AdamW(params, lr=1e-3, state_bits=8, backend="compiled")
-    for step in range(3):
-        params[0].grad = torch.randn(params[0].shape, generator=torch.Generator().manual_seed(step + 1))
-        opt.step()
+    devices = testing.one_call_devices() if one_call is None else ("cpu",) if one_call else ()
+    with testing.large_quantized_buffers_in_one_call(devices), testing.kernel_calls() as records:
+        params = [torch.nn.Parameter(torch.randn(4 * 33 * 256 - 50, generator=torch.Generator().manual_seed(0)))]
+        opt = dml_optim.AdamW(params, lr=1e-3, state_bits=8, backend="compiled")
+        for step in range(3):
+            params[0].grad = torch.randn(params[0].shape, generator=torch.Generator().manual_seed(step + 1))
+            opt.step()
     assert opt.flat_buffers()[0].backend == "compiled"
     assert opt.flat_buffers()[0].step_counts == (3,)
-    return params[0].detach(), opt, calls
+    return params[0].detach(), opt, [r.args[0].shape[0] for r in records]  # (the first operand's blocks)
 
 
 def _one_call_here() -> bool:
-    from dml_optim.backends import compiled
+    from dml_optim.testing import one_call_devices
 
-    return "cpu" in compiled._ONE_CALL_DEVICES
+    return "cpu" in one_call_devices()
 
 
 @_COMPILED
 @pytest.mark.slow
 @pytest.mark.skipif(not _one_call_here(), reason=f"torch {torch.__version__}: the compiled kernel writes temporaries "
-                    "per element on the CPU here and runs in chunks (compiled._ONE_CALL_DEVICES; the chunks' test "
+                    "per element on the CPU here and runs in chunks (dml_optim.testing.one_call_devices(); the chunks' test "
                     "covers it)")
 def test_the_compiled_kernel_takes_a_large_quantized_buffer_in_one_call(monkeypatch):
-    """Where the kernel realizes nothing per element (the CPU from torch 2.13, ``compiled._RECOMPUTE``), a
+    """Where the kernel realizes nothing per element (the CPU from torch 2.13: inductor told to recompute, not store, each value), a
     quantized buffer far over the eager scratch bound (lowered here to one block) still takes one call a step."""
     _, _, calls = _compiled_run(monkeypatch, 256)
     assert calls == [4 * 33] * 3
@@ -222,26 +221,14 @@ def test_the_compiled_8bit_kernel_returns_each_root_states_block_factor(monkeypa
     step's scalars (0-d)."""
     import numpy as np
 
-    from dml_optim.backends import compiled
+    from dml_optim.testing import kernel_calls
 
-    returned, real = [], compiled.kernel
-
-    def recording(key):
-        fn = real(key)
-
-        def call(*args):
-            out = fn(*args)
-            returned.append(out)
-            return out
-
-        call._dml_code = fn._dml_code
-        return call
-
-    monkeypatch.setattr(compiled, "kernel", recording)
-    p = torch.nn.Parameter(torch.randn(33 * 256 - 50, generator=torch.Generator().manual_seed(0)))
-    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 1e-2
-    opt = dml_optim.AdamW([p], lr=1e-3, state_bits=8, backend="compiled")
-    opt.step()
+    with kernel_calls() as records:
+        p = torch.nn.Parameter(torch.randn(33 * 256 - 50, generator=torch.Generator().manual_seed(0)))
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 1e-2
+        opt = dml_optim.AdamW([p], lr=1e-3, state_bits=8, backend="compiled")
+        opt.step()
+    returned = [r.out for r in records]
     assert opt.flat_buffers()[0].backend == "compiled" and len(returned) == 1
     states = dict(opt.flat_buffers()[0].states)
     factors, scalars = returned[0][:2], returned[0][2:]
@@ -779,21 +766,20 @@ def test_an_atomic_step_that_fails_mid_way_restores_the_quantized_state(bits):
     x, y = _batches(1, seed=7)[0]
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
-    cls = type(opt)
-    real = cls.__dict__["rule"]
+    real = opt.owner.rule  # (the rule its backends run: the element-wise update wrapped to fail after its call)
     calls = []
 
     def failing(*args, **kwargs):
-        real.__func__(*args, **kwargs)
+        real.apply(*args, **kwargs)
         calls.append(1)
         raise RuntimeError("injected failure")
 
-    cls.rule = staticmethod(failing)
+    opt.owner.rule = dataclasses.replace(real, apply=failing)
     try:
         with pytest.raises(RuntimeError, match="injected"):
             opt.step()
     finally:
-        cls.rule = real
+        opt.owner.rule = real
     assert calls == [1]
     for p, q in zip(model.parameters(), params):
         assert torch.equal(p.detach(), q)

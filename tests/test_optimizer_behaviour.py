@@ -204,7 +204,7 @@ def test_changing_none_patterns_follow_the_reference_per_parameter(case, path, m
                 counts[i] += 1
     assert distinct >= 2  # several step counts at once: masked updates
     if case.backend == "fused":
-        assert backends.resolved_backends(opt) == [["fused"]]
+        assert opt.resolved_backends() == [["fused"]]
 
 
 def test_step_with_no_gradient_at_all_changes_nothing():

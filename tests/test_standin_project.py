@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: hyperparameters per optimizer: an epsilon float16 holds (2**-14 is its smallest normal value), lr large enough
 #: that three steps move float16 parameters
 HYPER = {"adam": dict(lr=1e-2, epsilon=1e-4), "dml-adam": dict(lr=1e-2, epsilon=1e-4), "adamw": dict(lr=1e-2, eps=1e-4),
-         "adagrad": dict(lr=1e-2, epsilon=1e-4), "momentum": dict(lr=1e-2, alpha=0.9), "sgd": dict(lr=1e-2, momentum=0.9)}
+         "adagrad": dict(lr=1e-2, epsilon=1e-4), "momentum": dict(lr=1e-2, alpha=0.9), "sgd": dict(lr=1e-2, momentum=0.9),
+         "lion": dict(lr=1e-3, weight_decay=0.1)}
 #: the precision modes DirectML has: (parameter dtype, options, whether the loss is scaled)
 MODES = {
     "fp32": (torch.float32, {}, False),

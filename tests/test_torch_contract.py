@@ -38,7 +38,6 @@ import pytest
 import torch
 
 import dml_optim
-from dml_optim.backends.choose import resolved_backends
 from dml_optim.optimizers import registry
 from matrix import ENTRIES
 from tolerances import TOL
@@ -122,8 +121,8 @@ def _twin_flags(opt) -> dict:
     run torch's fused kernel (``dml_optim.backends.fused``: the same kernel, called on our flat buffers), else
     ``foreach=False`` (the single-tensor implementation, the one our eager op chain follows).  Every buffer
     must run the same one, or no single twin is the right reference."""
-    resolved = {b for group in resolved_backends(opt) for b in group}
-    assert len(resolved) == 1, f"buffers on several backends, no single twin: {resolved_backends(opt)}"
+    resolved = {b for group in opt.resolved_backends() for b in group}
+    assert len(resolved) == 1, f"buffers on several backends, no single twin: {opt.resolved_backends()}"
     (backend,) = resolved
     assert backend in ("fused", "eager"), f"{backend}: not what these small CPU buffers should run"
     return dict(fused=True) if backend == "fused" else dict(foreach=False)
@@ -352,6 +351,10 @@ def test_a_one_to_one_alias_given_two_different_small_values_is_refused(ours, th
 
 # -- deepcopy and pickling ------------------------------------------------------------------------------
 
+#: The optimizers with a torch.optim twin: these tests step ours beside torch's (Lion has none; its copies and
+#: hooks run the same base-class code as every other optimizer's)
+TWINNED = sorted(name for name, e in ENTRIES.items() if e.torch_class is not None)
+
 
 def _twin_hyper(name):
     """The matrix's default variant of ``name`` and its torch twin keywords (all have an exact twin)."""
@@ -394,7 +397,7 @@ def _pickled(obj):
 
 
 @pytest.mark.parametrize("how", sorted(COPIES))
-@pytest.mark.parametrize("name", sorted(ENTRIES))
+@pytest.mark.parametrize("name", TWINNED)
 def test_copied_with_its_model_steps_like_the_twin_copied_the_same_way(name, how):
     hyper, twin_kwargs, torch_cls = _twin_hyper(name)
     dtype = _dtype(name)
@@ -426,7 +429,7 @@ def test_copied_with_its_model_steps_like_the_twin_copied_the_same_way(name, how
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-@pytest.mark.parametrize("name", sorted(ENTRIES))
+@pytest.mark.parametrize("name", TWINNED)
 def test_copied_alone_steps_its_own_parameters_like_the_twin(name, how):
     """``copy.deepcopy(opt)`` alone copies the parameters too (as torch.optim's does): the copy
     steps the copies, the original and its parameters are untouched."""
@@ -477,7 +480,7 @@ def _hook_log(opt, log):
     opt.register_load_state_dict_post_hook(lambda o: log.append(f"load post lr={o.param_groups[0]['lr']}"))
 
 
-@pytest.mark.parametrize("name", sorted(ENTRIES))
+@pytest.mark.parametrize("name", TWINNED)
 def test_the_four_state_dict_hooks_run_where_torch_runs_them(name):
     hyper, twin_kwargs, torch_cls = _twin_hyper(name)
     ours_m, ref_m = _model(dtype=_dtype(name)), _model(dtype=_dtype(name))
@@ -495,7 +498,7 @@ def test_the_four_state_dict_hooks_run_where_torch_runs_them(name):
         "state_dict pre (prepended)", "state_dict pre", "state_dict post", "load pre", "load post lr=0.25"]
 
 
-@pytest.mark.parametrize("name", sorted(ENTRIES))
+@pytest.mark.parametrize("name", TWINNED)
 def test_step_hooks_and_global_step_hooks_run_like_torchs(name):
     """The per-optimizer and the global (``torch.optim.optimizer``) step hooks, in torch's order, with the
     step's parameters already updated when the post hooks run."""

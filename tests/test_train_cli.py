@@ -104,7 +104,7 @@ def test_train_adamw_against_torch_adamw_text_summary():
 def test_train_choices_are_the_registry_names():
     from dml_optim.optimizers.registry import NAMES
 
-    proc = subprocess.run([sys.executable, "-m", "dml_optim", "train", "--optimizer", "lion"],
+    proc = subprocess.run([sys.executable, "-m", "dml_optim", "train", "--optimizer", "sophia"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert f"choose from {', '.join(map(repr, NAMES))}" in proc.stderr and "'adamw'" in proc.stderr
@@ -240,7 +240,7 @@ def test_audit_is_reported_for_our_optimizer():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("optimizer", "lion"), ("dtype", "bf16"), ("rounding", "up"), ("step_in_backward", 1), ("steps", 0),
+    ("optimizer", "sophia"), ("dtype", "bf16"), ("rounding", "up"), ("step_in_backward", 1), ("steps", 0),
     ("batch_size", -1), ("hidden", 1.5),
     ("seed", -1), ("lr", 0.0), ("lr", float("nan")), ("steps", True),
 ])
@@ -343,3 +343,12 @@ def test_accuracy_restores_training_mode():
     acc = toy.accuracy(model, x, y)
     assert model.training and acc in (0.0, 0.25, 0.5, 0.75, 1.0)
     assert toy.chance_level() == 1 / toy.NUM_CLASSES
+
+
+def test_compare_torch_is_refused_before_training_for_an_optimizer_without_a_twin():
+    """Lion has no torch.optim twin: ``--compare-torch`` is a one-line usage error before any training."""
+    proc = subprocess.run([sys.executable, "-m", "dml_optim", "train", "--optimizer", "lion", "--compare-torch"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("dml-optim train: error: --compare-torch: torch.optim has no twin of 'lion' to "
+                                   "train beside it")

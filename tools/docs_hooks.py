@@ -155,6 +155,8 @@ def _torch_name(cls: type, name: str) -> str:
     if name in twin.nearest:
         reasons = [reason for key, _, reason in twin.exact_when if key == name]
         return f"`{twin.nearest[name]}`, not equal: {reasons[0]}" if reasons else f"`{twin.nearest[name]}`"
+    if twin.class_name is None:
+        return "none"
     return f"`{name}`" if name in inspect.signature(twin.torch_class).parameters else "none"
 
 
@@ -185,7 +187,8 @@ def arguments_markdown(class_name: str) -> str:
 
     cls = getattr(dml_optim, class_name)
     meanings = _meanings(cls, class_name)
-    lines = [f"| argument | default | meaning | name in `torch.optim.{cls.spec.torch.class_name}` |", "|---|---|---|---|"]
+    twin = f"`torch.optim.{cls.spec.torch.class_name}`" if cls.spec.torch.exists else "torch.optim (no twin)"
+    lines = [f"| argument | default | meaning | name in {twin} |", "|---|---|---|---|"]
     for param in inspect.signature(cls).parameters.values():
         if param.kind is param.VAR_KEYWORD:
             lines.append(f"| `**{param.name}` | | the options every optimizer takes: see [Options](../guide/options.md) | |")

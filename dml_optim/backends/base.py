@@ -1,11 +1,11 @@
 """The one interface every backend implements, and the named types a step passes between them.
 
 A step of a flat optimizer asks, for each flat buffer with a gradient, one :class:`StepRequest`: the
-optimizer, its param group, the buffer, the device's gate (``finite``: a 0-d bool, or None for an
+optimizer's :class:`Owner` (its rule, as data, and the fallbacks it was told of: never the optimizer), its param group, the buffer, the device's gate (``finite``: a 0-d bool, or None for an
 ungated step) and the gradients to read where they are (torch's fused kernels only; None: the flat
 gradient buffer).  A backend (:class:`Backend`) answers three questions:
 
-* ``supports(opt, group, flat) -> None | reason``: whether it can run the buffer under these settings at
+* ``supports(rule, group, flat) -> None | reason``: whether it can run the buffer under these settings at
   all (static: decided once per settings token, :mod:`~dml_optim.backends.choose`);
 * ``plan(request, last) -> Plan | None``: what this step will do, computed without writing anything
   (host scalars, range checks, kernel calls); ``last`` is the buffer's previous plan when the step
@@ -31,23 +31,38 @@ buffer), planned and run through the same functions (:func:`dml_optim.backends.c
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from dml_optim.core.rule import Rule
 from dml_optim.core.steps import StepClass
 from dml_optim.core.update import KernelKey
 
-__all__ = ["Backend", "StepRequest", "ClassUpdate", "MaskedUpdate", "KernelCall", "Plan", "EagerPlan",
+__all__ = ["Backend", "Owner", "StepRequest", "ClassUpdate", "MaskedUpdate", "KernelCall", "SteadyCall", "Plan", "EagerPlan",
            "CompiledPlan", "FusedPlan", "Decision", "BufferRuntime", "runtime", "grad_range"]
+
+
+@dataclass(eq=False)
+class Owner:
+    """What the backends know of one optimizer, and all they know: its update as data (:class:`~dml_optim.core.rule.Rule`)
+    and the backend fallbacks it was told of, each warned about once.  The optimizer keeps one, and hands it
+    over in every request; a backend never calls into the optimizer."""
+
+    rule: Rule
+    compile_fallback: str | None = None  # why its rule runs eager instead of compiled (warned once)
+    fused_fallback: str | None = None  # why backend="fused" could not run a buffer (warned once)
+
+    @property
+    def name(self) -> str:
+        return self.rule.name
 
 
 class StepRequest(NamedTuple):
     """One buffer's share of one step."""
 
-    opt: Any
+    owner: Owner
     group: dict
     flat: Any  # dml_optim.core.flat.FlatBuffer
     finite: torch.Tensor | None = None  # the device's gate (nonfinite="skip", loss scaling), None: ungated
@@ -123,7 +138,19 @@ class EagerPlan(Plan):
     timed: bool = False
     converts: bool = False  # operands are converted to the compute dtype (the rule then runs chunk by chunk)
     compiled_buffer: bool = False  # the buffer's rule compiles (its memory policy: no scratch)
-    steady: tuple | None = None  # a repeat's one-class step: the rule's call with its tensors bound (eager.steady_call)
+    steady: SteadyCall | None = None  # a repeat's one-class step: the rule's call with its tensors bound
+
+
+class SteadyCall(NamedTuple):
+    """A repeat's call of the rule over a whole buffer with its tensors bound once (``eager.steady_call``):
+    ``apply(*operands, scratch=scratch, **scalars)``; ``bound``: the buffer's tensors it was bound to
+    (parameters, gradient, master copy, states: compared by identity), ``names``: the states' names."""
+
+    apply: Callable[..., None]
+    operands: tuple
+    scratch: list
+    bound: tuple
+    names: tuple[str, ...]
 
 
 @dataclass
@@ -150,7 +177,7 @@ class Backend(Protocol):
 
     name: str
 
-    def supports(self, opt, group: dict, flat) -> str | None:
+    def supports(self, rule: Rule, group: dict, flat) -> str | None:
         """None when this backend can run ``flat`` under ``group``'s settings, else why not."""
 
     def plan(self, request: StepRequest, last: Plan | None = None) -> Plan | None:
@@ -177,9 +204,9 @@ class Decision(NamedTuple):
 
 @dataclass
 class BufferRuntime:
-    """A buffer's backend state, kept beside it (never in it): the decision and its token, how many
-    decisions were made, the settings the buffer last stepped under, the tiering clock, each backend's
-    cache, and whether the last step repeated its plan."""
+    """A buffer's backend state (``flat.runtime``; a copy of the buffer starts without one): the decision and
+    its token, how many decisions were made, the settings the buffer last stepped under, the tiering clock,
+    each backend's cache, and whether the last step repeated its plan."""
 
     settings: Any = None  # the group's validated settings at the last bind (a token: compared by identity)
     structure: Any = None  # the structural part of them (a token: equal while only scalars such as lr change)
@@ -197,15 +224,10 @@ class BufferRuntime:
     window: torch.Tensor | None = None  # the gradients of the range stepping inside backward (grown to the largest)
 
 
-#: Each live buffer's runtime, by the buffer's id; an entry leaves with its buffer (a finalizer): a lookup is one
-#: dict access (a WeakKeyDictionary's made a weak reference per lookup, several times a step).
-_RUNTIMES: dict[int, BufferRuntime] = {}
-
-
 def runtime(flat) -> BufferRuntime:
-    """The :class:`BufferRuntime` of ``flat`` (made the first time)."""
-    rt = _RUNTIMES.get(id(flat))
+    """The :class:`BufferRuntime` of ``flat`` (made the first time; held by the buffer, which a copy does not
+    copy: a copied buffer's backends decide and plan anew)."""
+    rt = flat.runtime
     if rt is None:
-        rt = _RUNTIMES[id(flat)] = BufferRuntime()
-        weakref.finalize(flat, _RUNTIMES.pop, id(flat), None)
+        rt = flat.runtime = BufferRuntime()
     return rt

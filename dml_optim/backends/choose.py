@@ -47,12 +47,21 @@ from typing import Any
 from dml_optim.backends import compiled as _compiled
 from dml_optim.backends import eager as _eager
 from dml_optim.backends import fused as _fused
-from dml_optim.backends.base import Decision, EagerPlan, Plan, StepRequest, runtime
+from dml_optim.backends.base import Decision, EagerPlan, FusedPlan, Owner, Plan, StepRequest, runtime
+from dml_optim.backends.eager import ensure_scratch, several_counts
+from dml_optim.backends.fused import copies_in, copy_in, present, reads_in_place, remember_read
 from dml_optim.backends.modes import counting_kernels, dispatch_mode_active, eager_only_now, is_compiling
 from dml_optim.core.grads import held_elsewhere
 from dml_optim.core.options import BACKENDS
 
-__all__ = ["AUTO_COMPILE_MIN_ELEMENTS", "AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED", "AUTO_COMPILE_MIN_ELEMENTS_MASKED",
+#: What the optimizer layers use of backends/ besides the decision, re-exported here: ``dml_optim.optimizers`` imports
+#: ``backends.choose`` and nothing else of backends/ (tests/test_layering.py), so the backends' modules can change
+#: behind this one seam.  The plans and the request (base), the buffer's runtime, the gradients read in place or
+#: copied (fused's, which every backend's request uses), the eager scratch, the trace and dispatch-mode tests.
+SEAM = ("EagerPlan", "FusedPlan", "Owner", "StepRequest", "runtime", "ensure_scratch", "several_counts", "copies_in",
+        "copy_in", "present", "reads_in_place", "remember_read", "dispatch_mode_active", "is_compiling")
+
+__all__ = [*SEAM, "AUTO_COMPILE_MIN_ELEMENTS", "AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED", "AUTO_COMPILE_MIN_ELEMENTS_MASKED",
            "AUTO_COMPILE_AFTER_EAGER_S", "AUTO_TIER_MIN_ELEMENTS", "BACKEND_OF", "resolve", "decide", "fuses", "tiers",
            "tier_due", "tiering_pending", "compiles", "plan_step", "run_plan", "resolved_backend", "resolved_backends"]
 
@@ -126,54 +135,54 @@ def tier_due(device_type: str, numel: int, quantized: bool, eager_s: float) -> b
     return tiers(device_type, numel, quantized) and eager_s >= AUTO_COMPILE_AFTER_EAGER_S[device_type]
 
 
-def _token(opt, flat, rt) -> tuple:
+def _token(owner: Owner, flat, rt) -> tuple:
     """What a decision depends on besides the structural settings (compared by identity; the buffer's kind and
     size are its own for life): the tiering clock's verdict and whether the optimizer fell back from compiling."""
     return (rt.eager_s > 0 and tier_due(flat.device.type, flat.numel, flat.bits is not None, rt.eager_s),
-            _compiled.fell_back(opt) is None)
+            owner.compile_fallback is None)
 
 
-def kernel_key(opt, group, flat):
+def kernel_key(owner: Owner, group, flat):
     """The compiled kernel key of ``flat`` (:func:`dml_optim.backends.compiled.kernel_key`), kept per structural
     settings and allocated states."""
     rt = runtime(flat)
     made_for = (rt.structure, len(flat.states), flat.master is None, flat.kahan is None, flat.numel, flat.dtype)
     kept = rt.key
     if kept is None or rt.structure is None or kept[0][0] is not made_for[0] or kept[0][1:] != made_for[1:]:
-        kept = rt.key = (made_for, _compiled.kernel_key(opt, group, flat))
+        kept = rt.key = (made_for, _compiled.kernel_key(owner.rule, group, flat))
     return kept[1]
 
 
-def decide(opt, group: dict[str, Any], flat) -> Decision:
+def decide(owner: Owner, group: dict[str, Any], flat) -> Decision:
     """The decision for ``flat`` under ``group``'s settings: made once per (buffer, structural settings,
     :func:`_token`) and kept (``BufferRuntime.decisions`` counts how many were made).  Static: a dynamo trace
     or a dispatch mode (:func:`~dml_optim.backends.modes.eager_only_now`) runs the eager rule for one step
     without changing it."""
     rt = runtime(flat)
     if rt.structure is None:  # (not stepped yet: the settings are not validated, nothing to keep it for)
-        return _decide(opt, group, flat, rt)
-    token = _token(opt, flat, rt)
+        return _decide(owner, group, flat, rt)
+    token = _token(owner, flat, rt)
     decision = rt.decision
     if decision is not None and rt.token[0] is rt.structure and rt.token[1] == token:
         return decision
-    decision = _decide(opt, group, flat, rt)
+    decision = _decide(owner, group, flat, rt)
     rt.decision, rt.token = decision, (rt.structure, token)
     rt.decisions += 1
     return decision
 
 
-def _decide(opt, group, flat, rt) -> Decision:
+def _decide(owner: Owner, group, flat, rt) -> Decision:
     backend = group["backend"]
     if backend not in BACKENDS:  # (an invalid option: the next step refuses it)
         return Decision("eager", "eager", False, f"backend={backend!r} is not a backend")
     why_not_fused = None
     if backend in ("auto", "fused"):
-        why_not_fused = _fused.BACKEND.supports(opt, group, flat)
+        why_not_fused = _fused.BACKEND.supports(owner.rule, group, flat)
     else:
         why_not_fused = f"backend={backend!r}"
     rule, masked = "eager", False
     # (stochastic rounding's counter-based numbers are the eager rule's: DirectML's path runs it)
-    if backend != "eager" and _compiled.fell_back(opt) is None and group.get("rounding") != "stochastic":
+    if backend != "eager" and owner.compile_fallback is None and group.get("rounding") != "stochastic":
         quantized = flat.bits is not None
         if resolve(backend, flat.device, flat.numel, quantized, rt.eager_s) == "compiled":
             rule = "compiled"
@@ -184,7 +193,7 @@ def _decide(opt, group, flat, rt) -> Decision:
     return Decision(plain, rule, masked, why_not_fused)
 
 
-def fuses(opt, group: dict[str, Any], flat) -> bool:
+def fuses(owner: Owner, group: dict[str, Any], flat) -> bool:
     """Whether ``flat`` runs torch's fused kernel (:mod:`dml_optim.backends.fused`) under ``group``'s settings now:
     ``backend`` is ``"fused"`` or ``"auto"`` and the buffer qualifies (``backend="fused"`` warns once where
     it does not).  Not while dynamo traces the step, nor under a dispatch mode other than the op counter
@@ -192,48 +201,49 @@ def fuses(opt, group: dict[str, Any], flat) -> bool:
     backend = group["backend"]
     if backend != "auto" and backend != "fused":
         return False
-    return _fuses(opt, group, decide(opt, group, flat))
+    return _fuses(owner, group, decide(owner, group, flat))
 
 
-def _fuses(opt, group, decision: Decision) -> bool:
+def _fuses(owner: Owner, group, decision: Decision) -> bool:
     """:func:`fuses`, the decision made."""
     if decision.why_not_fused is not None:
         if group["backend"] == "fused":
-            _fused.warn_fallback(opt, decision.why_not_fused)
+            _fused.warn_fallback(owner, decision.why_not_fused)
         return False
     return not eager_only_now()
 
 
-def compiles(opt, group: dict[str, Any], flat) -> bool:
+def compiles(owner: Owner, group: dict[str, Any], flat) -> bool:
     """Whether ``flat``'s rule runs compiled (its memory policy: no scratch)."""
-    return decide(opt, group, flat).rule == "compiled"
+    return decide(owner, group, flat).rule == "compiled"
 
 
-def tiering_pending(opt) -> bool:
-    """Some buffer of ``opt`` runs eagerly under ``auto`` now and will compile once it has run eagerly for
-    :data:`AUTO_COMPILE_AFTER_EAGER_S` (a benchmark of the steady state steps it until this is False)."""
+def tiering_pending(owner: Owner, buffers_by_group) -> bool:
+    """Some buffer of ``buffers_by_group`` (``(group, buffers)`` pairs: an optimizer's ``buffers_by_group()``) runs
+    eagerly under ``auto`` now and will compile once it has run eagerly for :data:`AUTO_COMPILE_AFTER_EAGER_S` (a
+    benchmark of the steady state steps it until this is False)."""
     return any(group["backend"] in ("auto", "fused") and tiers(flat.device.type, flat.numel, flat.bits is not None)
                and not tier_due(flat.device.type, flat.numel, flat.bits is not None, runtime(flat).eager_s)
-               and resolved_backend(opt, group, flat) == "eager" and _compiled.compile_available(flat.device.type)[0]
-               for group, flats in opt.buffers_by_group() for flat in flats)
+               and resolved_backend(owner, group, flat) == "eager" and _compiled.compile_available(flat.device.type)[0]
+               for group, flats in buffers_by_group for flat in flats)
 
 
 def _rule_plan(request: StepRequest, decision: Decision, last: Plan | None) -> EagerPlan:
     """The plan of the rule's backend (compiled or eager) for ``request``."""
-    opt, group, flat = request.opt, request.group, request.flat
+    owner, group, flat = request.owner, request.group, request.flat
     backend = group["backend"]
     key = None
     if request.grad_scale is not None:  # (gradients unscaled inside the rule: the eager rule's, DirectML's path)
         return _eager.BACKEND.plan(request, last, compiled=decision.rule == "compiled", masked_kernel=False)
     if decision.rule == "compiled" and not eager_only_now():
-        key = kernel_key(opt, group, flat)
-        reason = _compiled._BROKEN.get(key)
+        key = kernel_key(owner, group, flat)
+        reason = _compiled.BACKEND.broken(key)
         if reason is not None:  # another optimizer found this kernel broken: this one is told too, once
-            _compiled.fall_back(opt, flat.device, reason)
+            _compiled.fall_back(owner, flat.device, reason)
             key = None
-    elif backend == "compiled" and not eager_only_now() and _compiled.fell_back(opt) is None:
-        _compiled.fall_back(opt, flat.device, _compiled.compile_available(flat.device.type)[1])
-    masked = decision.masked and not eager_only_now() and _compiled.fell_back(opt) is None
+    elif backend == "compiled" and not eager_only_now() and owner.compile_fallback is None:
+        _compiled.fall_back(owner, flat.device, _compiled.compile_available(flat.device.type)[1])
+    masked = decision.masked and not eager_only_now() and owner.compile_fallback is None
     if key is not None:
         return _compiled.BACKEND.plan(request, last, key=key, masked=masked)
     if masked and _eager.masks(group, flat, True) and request.finite is None:
@@ -247,9 +257,9 @@ def plan_step(request: StepRequest, last: Plan | None = None) -> Plan:
     torch's kernel declined a step it was to read in place): torch's fused kernel for an ungated step of a
     buffer it runs, else the rule's backend (compiled or eager).  ``last``: the buffer's previous plan, when
     the step repeats it."""
-    opt, group, flat = request.opt, request.group, request.flat
-    decision = decide(opt, group, flat)
-    if request.finite is None and _fuses(opt, group, decision):
+    owner, group, flat = request.owner, request.group, request.flat
+    decision = decide(owner, group, flat)
+    if request.finite is None and _fuses(owner, group, decision):
         plan = _fused.BACKEND.plan(request, last)
         if plan is not None:
             flat.scratch = []
@@ -267,19 +277,20 @@ def run_plan(plan: Plan) -> None:
     BACKEND_OF[plan.backend].run(plan)
 
 
-def resolved_backend(opt, group: dict[str, Any], flat) -> str:
+def resolved_backend(owner: Owner, group: dict[str, Any], flat) -> str:
     """The backend ``flat`` runs with now (after any fallback; an invalid option: ``"eager"``,
     the next step refuses it).  ``"fused"`` is what its plain steps run: a step gated on a
     ``GradScaler``'s ``found_inf`` and one at a count beyond :data:`dml_optim.backends.fused.MAX_COUNT` (or whose
     kernel scalars leave the dtype's range) run the rule as :func:`resolve` decides, eager or compiled."""
-    if group["backend"] in ("auto", "fused") and fuses(opt, group, flat):
+    if group["backend"] in ("auto", "fused") and fuses(owner, group, flat):
         return "fused"
-    decision = decide(opt, group, flat)
-    if decision.rule == "compiled" and kernel_key(opt, group, flat) not in _compiled._BROKEN:
+    decision = decide(owner, group, flat)
+    if decision.rule == "compiled" and _compiled.BACKEND.broken(kernel_key(owner, group, flat)) is None:
         return "compiled"
     return "eager"
 
 
-def resolved_backends(opt) -> list[list[str]]:
-    """For each param group, the backend each of its flat buffers runs with now."""
-    return [[resolved_backend(opt, group, flat) for flat in flats] for group, flats in opt.buffers_by_group()]
+def resolved_backends(owner: Owner, buffers_by_group) -> list[list[str]]:
+    """For each param group of ``buffers_by_group`` (an optimizer's ``buffers_by_group()``), the backend each of its
+    flat buffers runs with now."""
+    return [[resolved_backend(owner, group, flat) for flat in flats] for group, flats in buffers_by_group]

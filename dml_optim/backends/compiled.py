@@ -46,19 +46,19 @@ import functools
 import sys
 import types
 import warnings
-import weakref
 from typing import Any
 
 import torch
 
 from dml_optim.backends import eager as _eager
-from dml_optim.backends.base import CompiledPlan, MaskedUpdate, StepRequest, grad_range, runtime
+from dml_optim.backends.base import CompiledPlan, MaskedUpdate, Owner, StepRequest, grad_range, runtime
 from dml_optim.backends.direct import _Capture, _Direct, _direct_eligible, _make_direct
 from dml_optim.backends.inductor import (_dynamo_counters, _denormals_flushed, _emulates_casts, _frames_compiled,
                                          _has_option, _options, compile_available, start_thread_pool)
 from dml_optim.backends.modes import counting_kernels, dispatch_mode_active, is_compiling
 from dml_optim.core.dtypes import compute_dtype
 from dml_optim.core.quant import QuantizedState, warm_tables
+from dml_optim.core.rule import Rule
 from dml_optim.core.update import (KernelKey, MaskedKey, coefficient_dtype, fused_step, kernel_operands,
                                    masked_step)
 
@@ -70,7 +70,6 @@ __all__ = [
     "kernel",
     "kernel_key",
     "fall_back",
-    "fell_back",
     "clear_cache",
     "cache_info",
 ]
@@ -93,10 +92,10 @@ _BROKEN: dict[tuple, str] = {}
 
 def _key_name(key: KernelKey | MaskedKey) -> str:
     if isinstance(key, MaskedKey):
-        parts = [key.cls.__name__, "masked", str(key.table_dtype).replace("torch.", ""), key.device.replace(":", "")]
+        parts = [key.rule.name, "masked", str(key.table_dtype).replace("torch.", ""), key.device.replace(":", "")]
         parts += [f"{k}_{v}" for k, v in key.fixed] + [str(d).replace("torch.", "") for d in key.storage]
         return "_".join(p.replace(".", "_").replace("-", "_") for p in parts)
-    parts = [key.cls.__name__, str(key.compute_dtype).replace("torch.", ""), key.device.replace(":", "")]
+    parts = [key.rule.name, str(key.compute_dtype).replace("torch.", ""), key.device.replace(":", "")]
     parts += [f"{k}_{v}" for k, v in key.structure]
     parts += ["gated"] * key.gated + ["master"] * key.has_out + ["kahan"] * key.has_comp
     parts += [s for s in key.storage if isinstance(s, str)]
@@ -117,16 +116,16 @@ def kernel(key: KernelKey | MaskedKey):
     fn = _KERNELS.get(key)
     if fn is None:
         if isinstance(key, MaskedKey):
-            cls, names, fixed_dict = key.cls, key.names, dict(key.fixed)
+            rule, names, fixed_dict = key.rule, key.names, dict(key.fixed)
 
             def step(*tensors):
-                masked_step(cls, fixed_dict, names, *tensors)
+                masked_step(rule, fixed_dict, names, *tensors)
         else:  # (plain values in the closure: dynamo reads no NamedTuple property while it traces)
-            cls, structure_dict, names, cdtype = key.cls, dict(key.structure), key.names, key.compute_dtype
+            rule, structure_dict, names, cdtype = key.rule, dict(key.structure), key.names, key.compute_dtype
             gated, has_out, has_comp, formats, has_valid = key.gated, key.has_out, key.has_comp, key.formats, key.has_valid
 
             def step(*tensors):  # (what it returns is computed once per block: quant.encode_)
-                return fused_step(cls, structure_dict, names, cdtype, gated, has_out, has_comp, formats, has_valid,
+                return fused_step(rule, structure_dict, names, cdtype, gated, has_out, has_comp, formats, has_valid,
                                   *tensors)
 
         raw = _fresh(step, f"dml_optim_kernel_{_key_name(key)}")
@@ -183,27 +182,18 @@ def cache_info() -> dict[str, Any]:
 # falling back, loudly and once
 # --------------------------------------------------------------------------
 
-#: Optimizers that fell back to eager, with the reason (warned once each).
-_FALLEN_BACK: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
-
-
-def fall_back(opt, device, reason: str) -> None:
-    """Record that ``opt`` runs eager from now on; warn the first time."""
-    if opt in _FALLEN_BACK:
+def fall_back(owner: Owner, device, reason: str) -> None:
+    """Record that ``owner``'s optimizer runs eager from now on (:attr:`Owner.compile_fallback`); warn the first
+    time."""
+    if owner.compile_fallback is not None:
         return
-    _FALLEN_BACK[opt] = reason
+    owner.compile_fallback = reason
     warnings.warn(
-        f"dml_optim: {type(opt).__name__} cannot use the compiled backend on {device}: {reason}; "
+        f"dml_optim: {owner.name} cannot use the compiled backend on {device}: {reason}; "
         "running the eager backend instead (same results, more memory traffic)",
         CompileFallbackWarning,
         stacklevel=5,
     )
-
-
-def fell_back(opt) -> str | None:
-    """The reason ``opt`` fell back to eager, or None (asked at every step's decision: no weak reference made
-    while no optimizer fell back)."""
-    return _FALLEN_BACK.get(opt) if _FALLEN_BACK.data else None
 
 
 def _recompile_limit() -> int:
@@ -220,23 +210,23 @@ def _cache_entries(fn) -> int:
 
 
 
-def kernel_key(opt, group, flat, gated: bool = False) -> KernelKey:
+def kernel_key(rule: Rule, group, flat, gated: bool = False) -> KernelKey:
     """The kernel key of ``flat`` under ``group``'s current hyperparameters and options (its states allocated)."""
-    cls = type(opt)
-    structure, names = [], []
-    for h in cls.spec.hyperparameters:
-        value = group[h.name]
-        if h.kind != "float" or (h.name in cls.zero_skips and value == 0):
-            structure.append((h.name, value))
+    structure = [(name, group[name]) for name in rule.switches]
+    names = []
+    for name in rule.floats:
+        value = group[name]
+        if name in rule.zero_skips and value == 0:
+            structure.append((name, value))
         else:
-            names.append(h.name)
+            names.append(name)
     x = flat.master if flat.master is not None else flat.data
-    states = [flat.states.get(n) for n in cls.group_state_names(group)]
+    states = [flat.states.get(n) for n in rule.group_state_names(group)]
     # how each operand is stored: a dtype, or a quantized format's name; then whether padding is masked
     storage = (x.dtype, flat.dtype) + tuple(s.format.name if isinstance(s, QuantizedState) else
                                             (s.dtype if s is not None else None) for s in states)
     storage += (flat.valid is not None,)
-    return KernelKey(cls, tuple(structure), tuple(names), compute_dtype(group, flat.dtype, flat.bits), gated,
+    return KernelKey(rule, tuple(structure), tuple(names), compute_dtype(group, flat.dtype, flat.bits), gated,
                      flat.master is not None, flat.kahan is not None, len(states), storage, str(flat.device))
 
 
@@ -245,15 +235,20 @@ class CompiledBackend:
 
     Its plans are :class:`~dml_optim.backends.base.CompiledPlan` s: the eager backend's class updates
     (host scalars and range checks, for the calls that fall back) and the kernel key.  A call returns to
-    the eager rule when the kernel cannot run (``opt`` fell back, a dispatch mode, a dynamo trace).
+    the eager rule when the kernel cannot run (the optimizer fell back, a dispatch mode, a dynamo trace).
     Float hyperparameters live in 0-d tensors kept per buffer, refilled only when a value changes (a
     scheduler's new ``lr`` costs one fill; constants cost nothing)."""
 
     name = "compiled"
 
-    def supports(self, opt, group, flat) -> str | None:
+    def supports(self, rule: Rule, group, flat) -> str | None:
         available, why = compile_available(flat.device.type)
         return None if available else why
+
+    @staticmethod
+    def broken(key) -> str | None:
+        """Why the kernel of ``key`` cannot run (it failed to compile, or dynamo gave up on it), or None."""
+        return _BROKEN.get(key) if key is not None else None
 
     def plan(self, request: StepRequest, last=None, key: KernelKey | None = None, masked: bool = False) -> CompiledPlan:
         """The eager plan of ``request`` (:func:`dml_optim.backends.eager.plan_updates`) with the kernel key."""
@@ -264,14 +259,14 @@ class CompiledBackend:
 
     def run(self, plan: CompiledPlan) -> None:
         request = plan.request
-        opt, group, flat = request.opt, request.group, request.flat
+        owner, group, flat = request.owner, request.group, request.flat
         if plan.masked is not None:
-            if not (plan.masked_kernel and self.masked(opt, group, flat, plan.masked)):
+            if not (plan.masked_kernel and self.masked(owner, group, flat, plan.masked)):
                 _eager.apply_masked(request, plan.masked, plan.scratch)
             _eager.forget_device_counts(flat)
             return
         for update in plan.updates:
-            if plan.key is None or not self.call(opt, group, flat, update.step_class, request.finite, plan.key,
+            if plan.key is None or not self.call(owner, group, flat, update.step_class, request.finite, plan.key,
                                                          request.window):
                 _eager.apply_class(request, update, plan)
 
@@ -293,28 +288,28 @@ class CompiledBackend:
             out.append(slot[1])
         return out
 
-    def call(self, opt, group, flat, c, finite, key: KernelKey | None = None, window=None) -> bool:
+    def call(self, owner: Owner, group, flat, c, finite, key: KernelKey | None = None, window=None) -> bool:
         """Run class ``c`` of ``flat`` through its kernel (``key``: this step's, when the caller has it;
         ``window``: the range's gradients, :attr:`StepRequest.window`); False when it must run eagerly instead
         (the caller does)."""
         counting = counting_kernels()
-        if opt is None or opt in _FALLEN_BACK or is_compiling() or (dispatch_mode_active() and counting is None):
+        if owner.compile_fallback is not None or is_compiling() or (dispatch_mode_active() and counting is None):
             return False
-        key = key if key is not None else kernel_key(opt, group, flat)
+        key = key if key is not None else kernel_key(owner.rule, group, flat)
         if finite is not None and not key.gated:
             key = key._replace(gated=True)
         if key.has_comp and not _emulates_casts():
             _BROKEN[key] = (f"Kahan summation needs inductor to round its float16/bfloat16 casts "
                             f"(emulate_precision_casts, torch >= 2.5; this is torch {torch.__version__})")
         if key in _BROKEN:
-            fall_back(opt, flat.device, _BROKEN[key])
+            fall_back(owner, flat.device, _BROKEN[key])
             return False
         if c.tensor is None:
             flat.counter.ensure_tensors(flat.device)
         start, end = flat.segment(c.first, c.stop)
         chunk = self._chunk(key, flat, end - start)
         if chunk >= end - start:
-            return self._launch(opt, key, self._operands(key, group, flat, start, end, c.tensor, finite, window),
+            return self._launch(owner, key, self._operands(key, group, flat, start, end, c.tensor, finite, window),
                                 flat.device, counting)
         # a quantized buffer in chunks (the kernel's temporaries, its decoded states, stay within the eager
         # scratch bound); the kernel advances the count it is given: every chunk but the last gets a copy
@@ -322,7 +317,7 @@ class CompiledBackend:
         for a in range(start, end, chunk):
             b = min(a + chunk, end)
             count = c.tensor if b == end else spare.copy_(c.tensor)
-            if not self._launch(opt, key, self._operands(key, group, flat, a, b, count, finite, window), flat.device,
+            if not self._launch(owner, key, self._operands(key, group, flat, a, b, count, finite, window), flat.device,
                                 counting):
                 if a != start:  # pragma: no cover - a compile failure surfaces at the first chunk
                     raise RuntimeError("dml_optim: the compiled kernel failed after its first chunk")
@@ -353,7 +348,7 @@ class CompiledBackend:
         else:
             cut = (lambda t: t) if whole else (lambda t: t[start:end])
         states = []
-        for n in key.cls.group_state_names(group):
+        for n in key.rule.group_state_names(group):
             state = cut(flat.states[n])
             if isinstance(state, QuantizedState):
                 warm_tables(state.format, key.compute_dtype, flat.device)
@@ -377,33 +372,33 @@ class CompiledBackend:
         values.update((f"hyper.{n}", t) for n, t in zip(key.names, hyper))
         return kernel_operands(key, values)
 
-    def masked(self, opt, group, flat, plan: MaskedUpdate) -> bool:
+    def masked(self, owner: Owner, group, flat, plan: MaskedUpdate) -> bool:
         """Run one masked update of ``flat`` as one compiled kernel; False when it must run eagerly instead
         (the caller does)."""
         counting = counting_kernels()
-        if opt is None or opt in _FALLEN_BACK or is_compiling() or (dispatch_mode_active() and counting is None):
+        if owner.compile_fallback is not None or is_compiling() or (dispatch_mode_active() and counting is None):
             return False
         fixed, names, table = plan
         if any(isinstance(v, torch.Tensor) for v in fixed.values()):
             return False  # (a tensor hyperparameter: not a kernel key; the eager update takes it)
-        cls = type(opt)
-        states = [flat.states[n] for n in cls.group_state_names(group)]
-        key = MaskedKey(cls, tuple(sorted(fixed.items())), tuple(names), table.dtype,
+        rule = owner.rule
+        states = [flat.states[n] for n in rule.group_state_names(group)]
+        key = MaskedKey(rule, tuple(sorted(fixed.items())), tuple(names), table.dtype,
                         (flat.dtype,) + tuple(s.dtype for s in states), str(flat.device))
         if key in _BROKEN:
-            fall_back(opt, flat.device, _BROKEN[key])
+            fall_back(owner, flat.device, _BROKEN[key])
             return False
-        return self._launch(opt, key, [flat.data, flat.grad, *states, table, flat.owner()], flat.device, counting)
+        return self._launch(owner, key, [flat.data, flat.grad, *states, table, flat.owner()], flat.device, counting)
 
     @staticmethod
-    def _launch(opt, key, args: list, device, counting) -> bool:
-        """Call ``key``'s kernel on ``args``: a compile failure or dynamo's recompile limit makes ``opt``
-        fall back, loudly and once (False: the caller runs eagerly); the caller's subnormal mode is kept."""
+    def _launch(owner: Owner, key, args: list, device, counting) -> bool:
+        """Call ``key``'s kernel on ``args``: a compile failure or dynamo's recompile limit makes ``owner``'s
+        optimizer fall back, loudly and once (False: the caller runs eagerly); the caller's subnormal mode is kept."""
         if torch.device(device).type == "cpu":
             start_thread_pool()
         flushed = _denormals_flushed()
         try:
-            return CompiledBackend._call(opt, key, args, device, counting)
+            return CompiledBackend._call(owner, key, args, device, counting)
         finally:
             if not flushed and _denormals_flushed():
                 # torch 2.4's inductor builds CPU kernels with -ffast-math; with gcc < 13 that links
@@ -413,7 +408,7 @@ class CompiledBackend:
                 torch.set_flush_denormal(False)
 
     @staticmethod
-    def _call(opt, key, args: list, device, counting) -> bool:
+    def _call(owner: Owner, key, args: list, device, counting) -> bool:
         fn = kernel(key)
         direct = getattr(fn, "_dml_direct", None)
         if direct is not None and args[0].shape[0] >= 2:
@@ -429,12 +424,12 @@ class CompiledBackend:
         except Exception as exc:  # compile errors surface at the first call
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             _BROKEN[key] = f"compilation failed ({type(exc).__name__}: {first})"
-            fall_back(opt, device, _BROKEN[key])
+            fall_back(owner, device, _BROKEN[key])
             return False
         if _frames_compiled() != frames and _cache_entries(fn) >= _recompile_limit():
             _BROKEN[key] = (f"dynamo's recompile limit ({_recompile_limit()}) was reached for kernel "
                             f"{_key_name(key)}; dynamo would run it uncompiled from now on")
-            fall_back(opt, device, _BROKEN[key])
+            fall_back(owner, device, _BROKEN[key])
         elif not hasattr(fn, "_dml_direct") and hasattr(fn, "_dml_capture") and counting is None \
                 and not dispatch_mode_active():  # (after the step: whatever happens here, it happened once)
             try:

@@ -30,10 +30,11 @@ import time
 
 import torch
 
-from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, StepRequest, grad_range, runtime
+from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, SteadyCall, StepRequest, grad_range, runtime
 from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, converts
 from dml_optim.core.options import CHUNK_ELEMENTS
 from dml_optim.core.packing import storage_less_device
+from dml_optim.core.rule import Rule
 from dml_optim.core.update import (AS_DEVICE, coefficient_dtype, conversion_count, masked_scalars, masked_step, run_rule,
                                    step_scalars, storage_dtype)
 
@@ -125,7 +126,7 @@ def chunk_elements(numel: int, bytes_per_element: int, *, ops_per_chunk: int, ma
     return min(size, -(-numel // align) * align)
 
 
-def ensure_scratch(opt, group, flat, gated: bool, compiled: bool) -> None:
+def ensure_scratch(rule: Rule, group, flat, gated: bool, compiled: bool) -> None:
     """Scratch for the eager rule: full size, or one chunk when it converts; none for a compiled
     buffer (the fused kernel needs none; an eager call on it, under a dispatch mode, allocates).
 
@@ -136,7 +137,7 @@ def ensure_scratch(opt, group, flat, gated: bool, compiled: bool) -> None:
     if compiled:
         flat.scratch = []
         return
-    size, cdtype, count, extras = scratch_layout(opt, group, flat, gated)
+    size, cdtype, count, extras = scratch_layout(rule, group, flat, gated)
     if (len(flat.scratch) == count + len(extras) and all(t.numel() == size for t in flat.scratch[:count])
             and all(t.numel() == n and t.dtype == d for t, (n, d) in zip(flat.scratch[count:], extras))):
         return
@@ -144,13 +145,13 @@ def ensure_scratch(opt, group, flat, gated: bool, compiled: bool) -> None:
     flat.scratch += [torch.empty(n, dtype=d, device=flat.device) for n, d in extras]
 
 
-def scratch_layout(opt, group, flat, gated: bool) -> tuple:
+def scratch_layout(rule: Rule, group, flat, gated: bool) -> tuple:
     """``(chunk, compute dtype, count, extras)`` of ``flat``'s eager scratch: ``count`` tensors of ``chunk``
     elements (the rule's, then one per converted operand), then ``extras`` as ``(elements, dtype)``: a
     quantized buffer's per-block divisor and, when the rule keeps no scratch, the decoder's index."""
     convert = converts(group, flat)
     cdtype = compute_dtype(group, flat.dtype, flat.bits)
-    n_rule = type(opt).scratch_count(group, gated)
+    n_rule = rule.scratch_count(group, gated)
     count = n_rule
     if convert:
         x = flat.master if flat.master is not None else flat.data
@@ -209,19 +210,19 @@ def _host_scalars(request: StepRequest, count: int) -> dict:
     the buffer's dtype and bits, with the compute dtype they are checked against and the rule's constants (a
     steady step finds its count's, or computes only the coefficients of its new count; a scheduler's new
     ``lr`` is a new token: computed again)."""
-    opt, group, flat = request.opt, request.group, request.flat
+    rule, group, flat = request.owner.rule, request.group, request.flat
     rt = runtime(flat)
     cache = rt.scalars
     if (cache is None or cache[0] is not rt.settings or rt.settings is None or cache[2] is not flat.dtype
             or cache[3] != flat.bits):
         cache = rt.scalars = (rt.settings, {}, flat.dtype, flat.bits, compute_dtype(group, flat.dtype, flat.bits),
-                              type(opt).constants(group))
+                              rule.constants(group))
     known = cache[1]
     scalars = known.get(count)
     if scalars is None:
         if len(known) >= 64:
             known.clear()
-        scalars = step_scalars(type(opt), group, count, None, constants=cache[5])
+        scalars = step_scalars(rule, group, count, None, constants=cache[5])
         check_range(group, flat, scalars, cache[4])
         known[count] = scalars
     return scalars
@@ -230,8 +231,7 @@ def _host_scalars(request: StepRequest, count: int) -> dict:
 def plan_updates(request: StepRequest) -> tuple:
     """One :class:`ClassUpdate` per active class: host scalars whenever the host knows the count and the
     step is neither gated nor ``capturable`` (also a declined compiled call's fallback), step limits checked."""
-    opt, group, flat = request.opt, request.group, request.flat
-    cls = type(opt)
+    rule, group, flat = request.owner.rule, request.group, request.flat
     host = request.finite is None and not group["capturable"]
     updates = []
     for c in flat.counter.classes:
@@ -239,7 +239,7 @@ def plan_updates(request: StepRequest) -> tuple:
             continue
         scalars = None
         if c.count is not None:
-            check_step_limit(cls, c.count)
+            check_step_limit(rule, c.count)
             if host:
                 scalars = _host_scalars(request, c.count)
         updates.append(ClassUpdate(c, scalars))
@@ -258,14 +258,14 @@ def masked_plan(request: StepRequest, compiled: bool) -> MaskedUpdate:
     count does not depend on the pattern; the cost is the owner index (4 bytes per element,
     kept) and one compute-dtype tensor per varying scalar while the step runs (eager).
     """
-    opt, group, flat = request.opt, request.group, request.flat
+    rule, group, flat = request.owner.rule, request.group, request.flat
     classes = flat.counter.classes
     by_count = {}
     for c in classes:
         if c.active and c.count not in by_count:
-            check_step_limit(type(opt), c.count)
+            check_step_limit(rule, c.count)
             by_count[c.count] = _host_scalars(request, c.count)
-    fixed, names, rows = masked_scalars(type(opt), group, by_count, [c.count if c.active else None for c in classes],
+    fixed, names, rows = masked_scalars(rule, group, by_count, [c.count if c.active else None for c in classes],
                                         [c.stop - c.first for c in classes], fold=not compiled)
     table = torch.tensor(rows, dtype=compute_dtype(group, flat.dtype, flat.bits), device=flat.device)
     return MaskedUpdate(fixed, names, table.view(len(names), len(flat)))
@@ -276,7 +276,7 @@ class EagerBackend:
 
     name = "eager"
 
-    def supports(self, opt, group, flat) -> str | None:
+    def supports(self, rule: Rule, group, flat) -> str | None:
         return None
 
     def plan(self, request: StepRequest, last=None, *, compiled: bool = False, masked_kernel: bool = False,
@@ -298,10 +298,10 @@ class EagerBackend:
                              steady=steady_call(request, updates, last.scratch, last.converts, last.steady))
         if (finite is None and request.window is None and len(flat.counter.classes) > 1
                 and masks(group, flat, masked_kernel)):  # (a range stepping alone: one update per class)
-            ensure_scratch(request.opt, group, flat, True, compiled or masked_kernel)
+            ensure_scratch(request.owner.rule, group, flat, True, compiled or masked_kernel)
             return EagerPlan(request, masked=masked_plan(request, masked_kernel),
                              scratch=tuple(flat.scratch))
-        ensure_scratch(request.opt, group, flat, finite is not None, compiled)
+        ensure_scratch(request.owner.rule, group, flat, finite is not None, compiled)
         convert = converts(group, flat)
         chunk = flat.scratch[0].numel() if flat.scratch and (convert or flat.scratch[0].numel() < flat.numel) else 0
         return EagerPlan(request, updates=plan_updates(request), chunk=chunk, scratch=tuple(flat.scratch),
@@ -316,7 +316,7 @@ class EagerBackend:
         start = time.perf_counter() if plan.timed else 0.0
         call = plan.steady
         if call is not None:  # (one class over the whole buffer, its tensors bound: apply_range's common case)
-            call[0](*call[1], scratch=call[2], **plan.updates[0].scalars)
+            call.apply(*call.operands, scratch=call.scratch, **plan.updates[0].scalars)
         else:
             for update in plan.updates:
                 apply_class(request, update, plan)
@@ -335,9 +335,9 @@ def forget_device_counts(flat) -> None:
             k.tensor = None
 
 
-def steady_call(request: StepRequest, updates: tuple, scratch: tuple, convert: bool, kept: tuple | None) -> tuple | None:
-    """A repeat's call of the rule over the whole buffer, its tensors bound once: ``(rule, operands, scratch,
-    bound tensors, state names)``, the call :func:`apply_range` makes in its common case (one class at a host
+def steady_call(request: StepRequest, updates: tuple, scratch: tuple, convert: bool,
+                kept: SteadyCall | None) -> SteadyCall | None:
+    """A repeat's call of the rule over the whole buffer, its tensors bound once (:class:`SteadyCall`), the call :func:`apply_range` makes in its common case (one class at a host
     count over the whole buffer, ungated, nothing converted, a full-size scratch or none), so that a steady step
     only computes its host scalars.  ``kept``: the last step's, returned while the buffer's parameters, gradients,
     master copy and states are the same tensors (identities: a few pointer comparisons); None for any other step
@@ -349,40 +349,40 @@ def steady_call(request: StepRequest, updates: tuple, scratch: tuple, convert: b
     if scalars is None or c.tensor is not None or flat.segment(c.first, c.stop) != (0, flat.numel):
         return None
     if kept is not None:
-        bound, states = kept[3], flat.states
+        bound, states = kept.bound, flat.states
         if (bound[0] is flat.data and bound[1] is flat.grad and bound[2] is flat.master
-                and all(map(operator.is_, bound[3:], map(states.get, kept[4])))):
+                and all(map(operator.is_, bound[3:], map(states.get, kept.names)))):
             return kept
-    cls, group = type(request.opt), request.group
-    names = cls.group_state_names(group)
-    rule_scratch = scratch[:cls.scratch_count(group, False)]
+    rule, group = request.owner.rule, request.group
+    names = rule.group_state_names(group)
+    rule_scratch = scratch[:rule.scratch_count(group, False)]
     if rule_scratch and rule_scratch[0].numel() < flat.numel:
         return None  # (chunks)
-    rule = list(rule_scratch) + [None] * (cls.scratch_slots - len(rule_scratch))
+    slots = list(rule_scratch) + [None] * (rule.scratch_slots - len(rule_scratch))
     states = tuple(flat.states[n] for n in names)
     x = flat.master if flat.master is not None else flat.data
-    return cls.rule, (x, flat.grad, *states), rule, (flat.data, flat.grad, flat.master, *states), names
+    return SteadyCall(rule.apply, (x, flat.grad, *states), slots, (flat.data, flat.grad, flat.master, *states), names)
 
 
 def apply_masked(request: StepRequest, masked: MaskedUpdate, scratch) -> None:
     """One masked update over the whole buffer (:func:`masked_plan`), eager."""
-    cls = type(request.opt)
+    rule = request.owner.rule
     flat = request.flat
     fixed, names, table = masked
     n = len(scratch) if scratch and scratch[0].numel() >= flat.numel else 0
-    masked_step(cls, fixed, names, flat.data, flat.grad, *[flat.states[k] for k in cls.group_state_names(request.group)],
-                table, flat.owner(), scratch=list(scratch[:n]) + [None] * (cls.scratch_slots - n))
+    masked_step(rule, fixed, names, flat.data, flat.grad, *[flat.states[k] for k in rule.group_state_names(request.group)],
+                table, flat.owner(), scratch=list(scratch[:n]) + [None] * (rule.scratch_slots - n))
 
 
 def apply_class(request: StepRequest, update: ClassUpdate, plan: EagerPlan) -> None:
     """The eager rule over one class, with counts on the host (``update.scalars``) or on the device."""
-    opt, group, flat, finite = request[:4]
-    cls = type(opt)
+    owner, group, flat, finite = request[:4]
+    rule = owner.rule
     c, scalars = update
     if scalars is None:  # counts on the device: the scalars are computed there
         if c.tensor is None:
             flat.counter.ensure_tensors(flat.device)
-        scalars = step_scalars(cls, group, c.tensor, finite, coefficient_dtype(flat.device))
+        scalars = step_scalars(rule, group, c.tensor, finite, coefficient_dtype(flat.device))
     start, end = flat.segment(c.first, c.stop)
     apply_range(request, start, end, scalars, plan.scratch, plan.converts,
                 count=c.count if c.count is not None else c.tensor)
@@ -398,13 +398,13 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
     """The rule over elements ``[start, end)`` of the buffer, chunked when operands are converted (``convert``:
     :func:`~dml_optim.core.dtypes.converts`, when the caller knows it).  ``count``: the range's step count (an
     int, or its tensor on the device), which keys stochastic rounding's numbers with each element's index."""
-    opt, group, flat, finite = request[:4]
-    cls = type(opt)
-    names = cls.group_state_names(group)
+    owner, group, flat, finite = request[:4]
+    rule = owner.rule
+    names = rule.group_state_names(group)
     x = flat.master if flat.master is not None else flat.data
     out = flat.data if flat.master is not None else None
     cdtype = compute_dtype(group, flat.dtype, flat.bits)
-    n_rule = cls.scratch_count(group, finite is not None)
+    n_rule = rule.scratch_count(group, finite is not None)
     rule_scratch, conversions = scratch[:n_rule], scratch[n_rule:]
     scratch_full = bool(scratch) and scratch[0].numel() >= flat.numel
     if not (converts(group, flat) if convert is None else convert):
@@ -414,15 +414,15 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
             b = min(a + chunk, end)
             if a == 0 and b == flat.numel and request.window is None:  # the common case: the whole buffer, no view op
                 xs, gs, ss = x, flat.grad, [flat.states[n] for n in names]
-                rule = list(rule_scratch) if scratch_full else []
+                slots = list(rule_scratch) if scratch_full else []
             else:
                 xs, gs, ss = x[a:b], grad_range(flat, request.window, a, b), [flat.states[n][a:b] for n in names]
-                rule = [s[a:b] for s in rule_scratch] if scratch_full else [s[: b - a] for s in rule_scratch]
-            rule += [None] * (cls.scratch_slots - len(rule))
+                slots = [s[a:b] for s in rule_scratch] if scratch_full else [s[: b - a] for s in rule_scratch]
+            slots += [None] * (rule.scratch_slots - len(slots))
             if finite is None and request.grad_scale is None:
-                cls.rule(xs, gs, *ss, scratch=rule, **scalars)
+                rule.apply(xs, gs, *ss, scratch=slots, **scalars)
             else:
-                run_rule(cls, xs, gs, ss, scalars, compute_dtype=cdtype, finite=finite, scratch=rule,
+                run_rule(rule, xs, gs, ss, scalars, compute_dtype=cdtype, finite=finite, scratch=slots,
                          grad_scale=request.grad_scale)
         return
     chunk = scratch[0].numel() if scratch and scratch[0].numel() else CHUNK_ELEMENTS
@@ -438,11 +438,11 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
         b = min(a + chunk, end)
         k = b - a
         key = rounding._replace(count=count, start=flat.draw_start(a, b)) if rounding is not None else None
-        run_rule(cls, x[a:b], grad_range(flat, request.window, a, b), [flat.states[n][a:b] for n in names], scalars,
+        run_rule(rule, x[a:b], grad_range(flat, request.window, a, b), [flat.states[n][a:b] for n in names], scalars,
                  compute_dtype=cdtype, finite=finite, params_out=out[a:b] if out is not None else None,
                  comp=flat.kahan[a:b] if flat.kahan is not None else None,
                  valid=flat.block_valid(a, b) if not flat.bits else None,
                  buffers=[t[:k] for t in conversions] if conversions else None,
-                 scratch=[s[:k] for s in rule_scratch] + [None] * (cls.scratch_slots - len(rule_scratch)),
+                 scratch=[s[:k] for s in rule_scratch] + [None] * (rule.scratch_slots - len(rule_scratch)),
                  index=index, small=small[: k // flat.align] if small is not None else None, rounding=key,
                  pad=padding_positions(flat, a, b) if flat.bits else None, grad_scale=request.grad_scale)

@@ -59,18 +59,18 @@ import functools
 import math
 import operator
 import warnings
-import weakref
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dml_optim.backends.base import FusedPlan, KernelCall, StepRequest, runtime
+from dml_optim.backends.base import FusedPlan, KernelCall, Owner, StepRequest, runtime
 from dml_optim.core.bindings import _DATA_PTR, _IS_CONTIGUOUS
 from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, dtype_limit, state_dtype
 from dml_optim.core.grads import _FAST_ATTRIBUTES
+from dml_optim.core.rule import Rule
 
-__all__ = ["FusedFallbackWarning", "FusedBackend", "BACKEND", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS",
+__all__ = ["present", "FusedFallbackWarning", "FusedBackend", "BACKEND", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS",
            "unsupported", "kernel_scalars", "reads_in_place", "copies_in", "copy_in", "remember_read", "kernel_calls", "warn_fallback"]
 
 
@@ -98,7 +98,6 @@ LIST_MIN_ELEMENTS = 1 << 12
 _DTYPES = (torch.float32, torch.float64)
 _VERSION = operator.attrgetter("_version")
 _IS_NOT_NONE = functools.partial(operator.is_not, None)
-_WARNED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
 
 def kernel_scalars(op: str, kwargs: dict[str, Any], steps) -> float:
@@ -124,11 +123,10 @@ def _available(op: str) -> bool:
     return callable(getattr(torch, op, None))
 
 
-def unsupported(opt, group: dict[str, Any], flat) -> str | None:
+def unsupported(rule: Rule, group: dict[str, Any], flat) -> str | None:
     """Why ``flat`` cannot run torch's fused kernel under ``group``'s settings, or None when it can.
 
     Static: what the settings and the buffer allow (a step's counts are checked by :func:`plan`)."""
-    cls = type(opt)
     if flat.device.type != "cpu":
         return f"torch's fused kernels run on the CPU here, the buffer is on {flat.device}"
     if flat.dtype not in _DTYPES:
@@ -141,9 +139,11 @@ def unsupported(opt, group: dict[str, Any], flat) -> str | None:
         return "capturable=True keeps the step counts on the device"
     if group["nonfinite"] == "skip":
         return "nonfinite='skip' gates every step on the device (its counts live there)"
-    kernel = cls.fused_kernel(group, 0)
+    if rule.fused is None:
+        return f"torch has no fused kernel of {rule.name}'s rule"
+    kernel = rule.fused_kernel(group, 0)
     if kernel is None:
-        return f"{cls.__name__}'s rule with these hyperparameters is not one of torch's fused kernels"
+        return f"{rule.name}'s rule with these hyperparameters is not one of torch's fused kernels"
     if not _available(kernel[0]):
         return f"torch {torch.__version__} has no torch.{kernel[0]}"
     return None
@@ -160,7 +160,7 @@ def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
     ``zero_grad(set_to_none=True)``) and the same read-only tensors handed over again are read in place."""
     if flat.staged:
         return False
-    index = _present(grads, active)
+    index = present(grads, active)
     if not index or sum(map(flat.sizes.__getitem__, index)) < LIST_MIN_ELEMENTS * len(index):
         return False
     present = grads if len(index) == len(grads) else list(map(grads.__getitem__, index))
@@ -173,7 +173,7 @@ def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
         return all(map(_IS_CONTIGUOUS, present))
 
 
-def _present(grads: list, active: list[bool] | None) -> list[int] | range:
+def present(grads: list, active: list[bool] | None) -> list[int] | range:
     """The indices of the gradients present (and active): every one without a Python pass when none is None."""
     if active is None and all(map(_IS_NOT_NONE, grads)):
         return range(len(grads))
@@ -193,7 +193,7 @@ def copies_in(flat, grads: list, active: list[bool] | None) -> bool:
     if (flat.staged or flat.align != 1 or flat.grad is None or not hasattr(torch, "_foreach_copy_")
             or flat.device.type not in ("cpu", "cuda")):
         return False  # (the first gradients a buffer meets are gathered and adopted: they may be ones that stay)
-    index = _present(grads, active)
+    index = present(grads, active)
     if not index:
         return False
     present = grads if len(index) == len(grads) else list(map(grads.__getitem__, index))
@@ -215,7 +215,7 @@ def copy_in(flat, grads: list) -> None:
     flat.release_held()  # (a view of it kept elsewhere: copied into a new one)
     flat.ensure_grad()
     views = _cache(flat).grad_views(flat)
-    index = _present(grads, None)
+    index = present(grads, None)
     if len(index) == len(grads):
         torch._foreach_copy_(views, grads)
     else:
@@ -271,32 +271,32 @@ class _Cache:
                                                            device="cpu").unbind(0)
         return views
 
-    def kernel(self, cls, group: dict[str, Any], settings, count: int) -> tuple[str, dict[str, Any], tuple]:
-        """``cls.fused_kernel(group, count)`` and a key equal for equal calls, kept while the group's validated
+    def kernel(self, rule: Rule, group: dict[str, Any], settings, count: int) -> tuple[str, dict[str, Any], tuple]:
+        """``rule.fused_kernel(group, count)`` and a key equal for equal calls, kept while the group's validated
         ``settings`` (the buffer's settings token) stay the same: the Adams' keywords depend on the count, and
         most of a step's counts were met before, or computed ahead by the range check of their block of counts
         (``EngineMixin._counts_fit``), so a steady step finds its own."""
         if self.kernels[0] is not settings or len(self.kernels[1]) >= 4096:
             self.kernels = (settings, {})
-        like = _alike(cls, count)
+        like = _alike(rule, count)
         found = self.kernels[1].get(like)
         if found is None:
-            op, kwargs = cls.fused_kernel(group, count)
+            op, kwargs = rule.fused_kernel(group, count)
             found = self.kernels[1][like] = (op, kwargs, (op, *kwargs.items()))
         return found
 
-    def whole(self, cls, group: dict[str, Any], flat, count: int) -> KernelCall:
+    def whole(self, rule: Rule, group: dict[str, Any], flat, count: int) -> KernelCall:
         """The kernel call over the whole buffer after ``count`` completed steps (the steady step): the keywords
         of :meth:`kernel`, and the argument lists kept while the structural settings, the kernel and the
         buffer's tensors stay the same (identities: a few pointer comparisons a step), the step number put in
         place (a view of :meth:`steps`' blocks)."""
         rt = runtime(flat)
-        op, kwargs, _ = self.kernel(cls, group, rt.settings, count)
+        op, kwargs, _ = self.kernel(rule, group, rt.settings, count)
         settings = rt.structure
         kept = self.whole_call  # (settings, op, state names, data, grad, states, argument lists, whether steps follow)
         if (kept is None or kept[0] is not settings or kept[1] != op or kept[3] is not flat.data
                 or kept[4] is not flat.grad or not all(map(operator.is_, kept[5], map(flat.states.get, kept[2])))):
-            names = cls.group_state_names(group)
+            names = rule.group_state_names(group)
             states = tuple(flat.states[n] for n in names)
             n_states, has_steps = KERNELS[op]
             args = ([[flat.data], [flat.grad]] + [[t] for t in states] + [[] for _ in range(n_states - len(names))]
@@ -322,10 +322,10 @@ class _Cache:
         return cached[1]
 
 
-def _alike(cls, count: int) -> int:
-    """The class of ``count`` among counts whose kernel keywords are equal (``cls.fused_counts``): every count
+def _alike(rule: Rule, count: int) -> int:
+    """The class of ``count`` among counts whose kernel keywords are equal (``rule.fused_counts``): every count
     (``"none"``), the first step apart (``"first"``), or each count its own (``"each"``)."""
-    vary = cls.fused_counts
+    vary = rule.fused_counts
     return count if vary == "each" else 0 if vary == "none" else min(count, 1)
 
 
@@ -337,7 +337,7 @@ def _cache(flat) -> _Cache:
     return cache
 
 
-def kernel_calls(opt, group: dict[str, Any], flat, grads: list | None, members: list,
+def kernel_calls(rule: Rule, group: dict[str, Any], flat, grads: list | None, members: list,
                  counts: list[int | None]) -> list | None:
     """The kernel calls of one step of ``flat``, or None when a count rules them out.
 
@@ -349,24 +349,23 @@ def kernel_calls(opt, group: dict[str, Any], flat, grads: list | None, members: 
     step numbers are tensors made once per 256 counts (:meth:`_Cache.steps`), so running it writes
     nothing but the kernels' outputs.
     """
-    cls = type(opt)
     cache = _cache(flat)
     if not counts or None in counts or max(counts) > MAX_COUNT:
         return None
     if grads is None and len(members) == 1 and members[0][1] - members[0][0] == len(flat.params):  # the steady step
-        return [cache.whole(cls, group, flat, counts[0])]
-    names = cls.group_state_names(group)
+        return [cache.whole(rule, group, flat, counts[0])]
+    names = rule.group_state_names(group)
     settings = runtime(flat).settings
     if counts.count(counts[0]) == len(counts):  # one count (a single class): one call, one step tensor
-        return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, settings, counts[0]), members,
+        return _calls(flat, grads, names, cache, [(cache.kernel(rule, group, settings, counts[0]), members,
                                                    cache.steps(counts[:1]) * len(members))])
     # the step tensor of each distinct count, and the call its count belongs to
     distinct = list(dict.fromkeys(counts))
     steps = dict(zip(distinct, cache.steps(distinct)))
-    if _alike(cls, min(distinct)) == _alike(cls, max(distinct)):  # (the classes grow with the count) one call
-        return _calls(flat, grads, names, cache, [(cache.kernel(cls, group, settings, counts[0]), members,
+    if _alike(rule, min(distinct)) == _alike(rule, max(distinct)):  # (the classes grow with the count) one call
+        return _calls(flat, grads, names, cache, [(cache.kernel(rule, group, settings, counts[0]), members,
                                                    list(map(steps.__getitem__, counts)))])
-    kernels = {n: cache.kernel(cls, group, settings, n) for n in distinct}
+    kernels = {n: cache.kernel(rule, group, settings, n) for n in distinct}
     calls: dict[tuple, tuple[tuple, list, list]] = {}  # per distinct call (equal keywords): (call, members, steps)
     for member, n in zip(members, counts):
         kernel = kernels[n]
@@ -401,12 +400,13 @@ def _calls(flat, grads: list | None, names: tuple[str, ...], cache: _Cache, call
     return out
 
 
-def warn_fallback(opt, reason: str) -> None:
-    """``backend="fused"`` cannot run a buffer of ``opt``: warn once per optimizer."""
-    if opt in _WARNED:
+def warn_fallback(owner: Owner, reason: str) -> None:
+    """``backend="fused"`` cannot run a buffer of ``owner``'s optimizer: warn once per optimizer
+    (:attr:`Owner.fused_fallback`)."""
+    if owner.fused_fallback is not None:
         return
-    _WARNED[opt] = reason
-    warnings.warn(f"dml_optim: {type(opt).__name__} cannot use the fused backend: {reason}; running what "
+    owner.fused_fallback = reason
+    warnings.warn(f"dml_optim: {owner.name} cannot use the fused backend: {reason}; running what "
                   "backend='auto' chooses instead", FusedFallbackWarning, stacklevel=5)
 
 
@@ -420,19 +420,20 @@ class FusedBackend:
 
     name = "fused"
 
-    def supports(self, opt, group, flat) -> str | None:
-        return unsupported(opt, group, flat)
+    def supports(self, rule: Rule, group, flat) -> str | None:
+        return unsupported(rule, group, flat)
 
     def plan(self, request: StepRequest, last=None) -> FusedPlan | None:
         """The kernel calls of this step (:func:`kernel_calls`), after the same step-limit and range checks as
         the other backends (the rule's scalars, and torch's kernel's), or None when a count rules the kernel
         out (the rule's backend runs the step)."""
-        opt, group, flat, _, grads = request[:5]
+        owner, group, flat, _, grads = request[:5]
+        rule = owner.rule
         if request.copied:  # (copied into the flat buffer: the kernel reads it there)
             grads = None
         members, counts = flat.counter.active_params() if grads is not None else flat.counter.active_runs()
-        calls = kernel_calls(opt, group, flat, grads, members, counts)
-        if calls is None or not self._checked(opt, group, flat, counts):
+        calls = kernel_calls(rule, group, flat, grads, members, counts)
+        if calls is None or not self._checked(rule, group, flat, counts):
             return None
         return FusedPlan(request, calls=calls)
 
@@ -441,7 +442,7 @@ class FusedBackend:
             fn(*args, **kwargs)
 
     @staticmethod
-    def _checked(opt, group, flat, counts: list[int]) -> bool:
+    def _checked(rule: Rule, group, flat, counts: list[int]) -> bool:
         """Counts ``counts`` are within the step limit with scalars the compute dtype holds (raises) and torch's
         kernel computes finite scalars for them (False: the rule runs as written).  Under settings met before,
         whole blocks of :data:`_AHEAD` counts are checked at once and remembered; under settings new this step
@@ -451,7 +452,7 @@ class FusedBackend:
         checked = cache.checked  # (settings, {n // _AHEAD: the counts of that block passed under them} or None)
         if checked[0] is not rt.settings:
             cache.checked = (rt.settings, None)  # (met once: this step's counts alone)
-            return all(_count_fits(opt, group, flat, n, cache) for n in set(counts))
+            return all(_count_fits(rule, group, flat, n, cache) for n in set(counts))
         if checked[1] is None:
             checked = cache.checked = (rt.settings, set())
         blocks = checked[1]
@@ -460,49 +461,47 @@ class FusedBackend:
             return True
         for n in sorted(set(counts)):
             if n // _AHEAD not in blocks:
-                if _counts_in_range(opt, group, flat, n - n % _AHEAD, _AHEAD):  # (a block at once: 1 check in 256)
+                if _counts_in_range(rule, group, flat, n - n % _AHEAD, _AHEAD):  # (a block at once: 1 check in 256)
                     if len(blocks) >= 64:
                         blocks.clear()
                     blocks.add(n // _AHEAD)
                     continue
-                if not _count_fits(opt, group, flat, n, cache):  # (one of the block's counts is out of range)
+                if not _count_fits(rule, group, flat, n, cache):  # (one of the block's counts is out of range)
                     return False
         return True
 
 
-def _count_fits(opt, group, flat, n: int, cache: _Cache) -> bool:
+def _count_fits(rule, group, flat, n: int, cache: _Cache) -> bool:
     """Count ``n`` alone: the step limit and the rule's scalars (raises), torch's kernel's scalars (False)."""
-    cls = type(opt)
-    check_step_limit(cls, n)
-    check_range(group, flat, cls.coefficients(group, n + cls.step_offset))
-    op, kwargs, _ = cache.kernel(cls, group, runtime(flat).settings, n)
+    check_step_limit(rule, n)
+    check_range(group, flat, rule.coefficients(group, n + rule.step_offset))
+    op, kwargs, _ = cache.kernel(rule, group, runtime(flat).settings, n)
     return kernel_scalars(op, kwargs, n + 1.0) <= dtype_limit(compute_dtype(group, flat.dtype, flat.bits)) * (1 - 1e-9)
 
 
-def _counts_in_range(opt, group, flat, first: int, n: int) -> bool:
+def _counts_in_range(rule, group, flat, first: int, n: int) -> bool:
     """Counts ``first .. first + n - 1`` are within the step limit and give per-step scalars the compute
     dtype holds: the rule's (its coefficients computed over a float64 tensor of the counts, a few ops for
     all) and those torch's fused kernel computes (:func:`kernel_scalars`)."""
-    cls = type(opt)
-    if first + n > cls.max_step:
+    if first + n > rule.max_step:
         return False
     limit = dtype_limit(compute_dtype(group, flat.dtype, flat.bits))
     limit *= 1 - 1e-9  # (a margin for the tensor arithmetic's rounding; NaN fails every comparison)
     with _disable_current_modes():  # (host arithmetic on CPU tensors, not the step's work: no recorder sees it)
         counts = torch.arange(first, first + n, dtype=torch.float64, device="cpu")  # (not a default device set)
         worst = [v.abs().max().item() if isinstance(v, torch.Tensor) else abs(v)
-                 for v in cls.coefficients(group, counts + cls.step_offset).values()]
+                 for v in rule.coefficients(group, counts + rule.step_offset).values()]
         # the kernel's keywords through the buffer's cache (_Cache.kernel): the Adams' differ per count, and the
         # steps that follow find the ones of their counts computed here
         kernel = _cache(flat).kernel
         settings = runtime(flat).settings
-        if cls.fused_counts == "each":  # (its keywords differ per count: each with its own step number)
+        if rule.fused_counts == "each":  # (its keywords differ per count: each with its own step number)
             for like in range(first, first + n):
-                op, kwargs, _ = kernel(cls, group, settings, like)
+                op, kwargs, _ = kernel(rule, group, settings, like)
                 worst.append(kernel_scalars(op, kwargs, like + 1.0))
         else:
             for like in dict.fromkeys((first, first + n - 1)):
-                op, kwargs, _ = kernel(cls, group, settings, like)
+                op, kwargs, _ = kernel(rule, group, settings, like)
                 worst.append(kernel_scalars(op, kwargs, counts + 1))
     return all(w <= limit for w in worst)
 

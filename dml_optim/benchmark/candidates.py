@@ -130,22 +130,20 @@ def auto_backend(optimizer: str, device: torch.device, dtype: torch.dtype, numel
     whether it does depends on the device, dtype and settings, not the size), else ``"eager"`` or
     ``"compiled"`` by size (:func:`dml_optim.backends.choose.resolve`; a buffer that compiles after running
     eagerly for a while counts as compiled)."""
-    from dml_optim.backends.choose import resolve, resolved_backends
+    from dml_optim.backends.choose import resolve
     from dml_optim.optimizers.registry import build
 
     probe = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
-    backends = {b for group in resolved_backends(build(optimizer, [probe], **options)) for b in group}
+    backends = {b for group in build(optimizer, [probe], **options).resolved_backends() for b in group}
     if backends == {"fused"}:
         return "fused"
     return resolve("auto", device, numel, eager_s=math.inf)
 
 
 def ran(opt: torch.optim.Optimizer) -> str | None:
-    """What ``opt``'s flat buffers run with now (:func:`dml_optim.backends.choose.resolved_backends`): ``"fused"``,
+    """What ``opt``'s flat buffers run with now (``opt.resolved_backends()``): ``"fused"``,
     ``"eager"``, ``"compiled"``, or several joined by ``+`` (``"eager+compiled"``); None without buffers."""
-    from dml_optim.backends.choose import resolved_backends
-
-    return "+".join(dict.fromkeys(b for group in resolved_backends(opt) for b in group)) or None
+    return "+".join(dict.fromkeys(b for group in opt.resolved_backends() for b in group)) or None
 
 
 def build_optimizer(name: str, optimizer: str, params: list[torch.nn.Parameter], **options) -> torch.optim.Optimizer:
@@ -194,11 +192,11 @@ def settle_steps(opt: torch.optim.Optimizer, step: Callable[[], object]) -> None
     """Call ``step`` until no buffer of ``opt`` will still switch backends under ``auto`` (one that compiles
     after running eagerly for a while, :data:`dml_optim.backends.choose.AUTO_COMPILE_AFTER_EAGER_S`, has done
     so): a row measures the steady state of a training run, not its first seconds."""
-    from dml_optim.backends.choose import AUTO_COMPILE_AFTER_EAGER_S, tiering_pending
+    from dml_optim.backends.choose import AUTO_COMPILE_AFTER_EAGER_S
 
     deadline = time.perf_counter() + 3 * max(AUTO_COMPILE_AFTER_EAGER_S.values()) + 30
     with no_compile_fallback():
-        while tiering_pending(opt) and time.perf_counter() < deadline:
+        while opt.tiering_pending() and time.perf_counter() < deadline:
             step()
 
 

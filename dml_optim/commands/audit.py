@@ -31,6 +31,8 @@ torch 2.4 uses on a DirectML (privateuseone) device:
   adamw     dml_optim.AdamW    vs torch.optim.AdamW (the same signature)
   adagrad   dml_optim.Adagrad  vs torch.optim.Adagrad
   momentum  dml_optim.Momentum vs torch.optim.SGD(momentum=alpha, dampening=1-beta)
+  sgd       dml_optim.SGD      vs torch.optim.SGD (the same signature)
+  lion      dml_optim.Lion     alone (torch.optim has no Lion: its column shows dashes)
 
 foreach ops count as one op per tensor (torch-directml has no foreach
 kernels). Bytes moved: per op, each distinct tensor read and each tensor
@@ -155,7 +157,7 @@ def _row(label: str, a, b) -> str:
 
 
 def _per(report, n: int) -> str:
-    return f"{report.per_param(n):.2f}"
+    return "-" if isinstance(report, _NoTwin) else f"{report.per_param(n):.2f}"
 
 
 def _training(kind: str, name: str, seed: int, state_bits: int | None) -> dict:
@@ -194,15 +196,35 @@ def _training(kind: str, name: str, seed: int, state_bits: int | None) -> dict:
     return {"forward_backward": fb, "step": step, "device": str(dev), "standin": counted}
 
 
+def _kinds(name: str) -> tuple[str, ...]:
+    """``("ours", "torch")``, or ``("ours",)`` for an optimizer torch.optim has no twin of (Lion)."""
+    from dml_optim.optimizers.registry import spec
+
+    return ("ours", "torch") if spec(name).torch.exists else ("ours",)
+
+
+class _NoTwin:
+    """The torch column of an optimizer without a torch.optim twin: every figure a dash."""
+
+    def __init__(self, name: str):
+        self.optimizer = f"(no torch.optim {name})"
+
+    def __getattr__(self, name):
+        return "-"
+
+
+
 def _run_training(args) -> int:
-    runs = {kind: _training(kind, args.optimizer, args.seed, args.state_bits) for kind in ("ours", "torch")}
+    runs = {kind: _training(kind, args.optimizer, args.seed, args.state_bits) for kind in _kinds(args.optimizer)}
     if args.json:
         print(json.dumps({"model": "the main job's MLP", "optimizer": args.optimizer, "state_bits": args.state_bits,
                           "audited": "training iteration", "device": runs["ours"]["device"],
                           **{kind: {"forward_backward": r["forward_backward"].to_dict(), "step": r["step"].to_dict(),
                                     "standin_fallbacks": r["standin"]} for kind, r in runs.items()}}, indent=2))
         return 0
-    ours, theirs = runs["ours"], runs["torch"]
+    ours = runs["ours"]
+    theirs = runs.get("torch") or {"step": _NoTwin(args.optimizer), "forward_backward": _NoTwin(args.optimizer),
+                                   "standin": None}
     print(f"dml-optim audit --training: {args.optimizer} on the main job's MLP, on {ours['device']}; per training "
           "iteration (forward, backward, step), as torch-directml 0.2.5 would run it (one warm-up iteration first):")
     print(_row("", ours["step"].optimizer, theirs["step"].optimizer))
@@ -212,7 +234,7 @@ def _run_training(args) -> int:
         print(_row(f"{label}: CPU fallbacks", a.fallback_ops, b.fallback_ops))
         print(_row(f"{label}: host syncs", a.host_syncs, b.host_syncs))
     if ours["standin"] is not None:
-        total = [sum(r["standin"].values()) for r in (ours, theirs)]
+        total = [sum(r["standin"].values()) if r["standin"] is not None else "-" for r in (ours, theirs)]
         print(_row("CPU fallbacks the stand-in ran", total[0], total[1]))
     for kind, r in runs.items():
         for phase in ("forward_backward", "step"):
@@ -241,19 +263,24 @@ def run(args) -> int:
         bits = f", {args.state_bits}-bit state" if args.state_bits else ""
         print(f"dml-optim audit: {args.optimizer}{bits} on {model} ({len(shapes)} tensors, {numel:,} parameters; "
               f"float32 on cpu, ~{4 * numel / 2**30:.2f} GiB per copy)", file=stream, flush=True)
-    progress = Progress("audit", 2, stream=stream, unit="optimizer") if slow else None
+    kinds = _kinds(args.optimizer)
+    progress = Progress("audit", len(kinds), stream=stream, unit="optimizer") if slow else None
     reports = []
-    for kind in ("ours", "torch"):
+    for kind in kinds:
         reports.append(_audit(kind, args.optimizer, shapes, args.seed, args.clip, args.state_bits))
         if progress is not None:
             progress.update(len(reports), f"{reports[-1].optimizer}: {reports[-1].total_ops} ops")
     if progress is not None:
         progress.close()
-    ours, theirs = reports
+    ours, theirs = reports[0], (reports[1] if len(reports) > 1 else None)
     if args.json:
         print(json.dumps({"model": model, "tensors": len(shapes), "parameters": numel,
-                          "optimizer": args.optimizer, "state_bits": args.state_bits, "audited": "clip_grad_norm_" if args.clip else "step", "ours": ours.to_dict(), "torch": theirs.to_dict()}, indent=2))
+                          "optimizer": args.optimizer, "state_bits": args.state_bits,
+                          "audited": "clip_grad_norm_" if args.clip else "step", "ours": ours.to_dict(),
+                          "torch": None if theirs is None else theirs.to_dict()}, indent=2))
         return 0
+    if theirs is None:
+        theirs = _NoTwin(args.optimizer)
     what = "per clip_grad_norm_ call" if args.clip else "per step"
     print(f"{what}, as torch-directml 0.2.5 would run it (one warm-up step first):")
     print(_row("", ours.optimizer, theirs.optimizer))
@@ -271,8 +298,9 @@ def run(args) -> int:
     print(_row("  incl. fallback round trips", _per(ours, ours.bytes_with_fallbacks),
                _per(theirs, theirs.bytes_with_fallbacks)))
     print(_row("  least any step moves", _per(ours, ours.least_bytes), _per(theirs, theirs.least_bytes)))
-    print(_row("every op native on DirectML", "yes" if ours.all_native else "no", "yes" if theirs.all_native else "no"))
-    for report in (ours, theirs):
+    print(_row("every op native on DirectML", "yes" if ours.all_native else "no",
+               "-" if isinstance(theirs, _NoTwin) else "yes" if theirs.all_native else "no"))
+    for report in reports:
         print()
         print(f"top ops of {report.optimizer}:")
         print("  count  op                               DirectML resolution")

@@ -216,6 +216,11 @@ def run(args) -> int:
         raise UsageError(f"--dtype bfloat16: DirectML ({device}) has no bfloat16 (torch-directml ends the process on a "
                          "bfloat16 tensor); use --dtype float16 --rounding stochastic (DirectML's half precision) or "
                          "--dtype float32")
+    if args.compare_torch:
+        from dml_optim.optimizers.registry import spec
+
+        if not spec(args.optimizer).torch.exists:
+            raise UsageError(f"--compare-torch: torch.optim has no twin of {args.optimizer!r} to train beside it")
     if args.threads:
         torch.set_num_threads(args.threads)
     config = TrainConfig(optimizer=args.optimizer, lr=args.lr, steps=args.steps, batch_size=args.batch_size,

@@ -90,11 +90,12 @@ def dtype_limit(dtype: torch.dtype) -> float:
     return limit
 
 
-def check_step_limit(cls, count: int) -> None:
-    """Refuse a step beyond the count optimizer class ``cls`` can represent (before any write)."""
-    if count + 1 > cls.max_step:
-        raise OverflowError(f"{cls.__name__}: this would be step {count + 1} of a parameter, beyond the "
-                            f"{cls.max_step} steps it can count ({cls.max_step_reason}); nothing was updated")
+def check_step_limit(rule, count: int) -> None:
+    """Refuse a step beyond the count ``rule`` (a :class:`~dml_optim.core.rule.Rule`) can represent (before any
+    write)."""
+    if count + 1 > rule.max_step:
+        raise OverflowError(f"{rule.name}: this would be step {count + 1} of a parameter, beyond the "
+                            f"{rule.max_step} steps it can count ({rule.max_step_reason}); nothing was updated")
 
 
 def check_range(group, flat, scalars: dict[str, Any], cdtype: torch.dtype | None = None) -> None:

@@ -111,7 +111,7 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
 
     __slots__ = ("params", "indices", "offsets", "sizes", "bits", "align", "valid", "shapes", "device", "dtype", "data", "grad",
                  "grad_refs", "uses", "data_uses", "absent", "_storages", "countable", "ptrs", "states", "master", "kahan", "scratch", "counter", "precision", "owned", "staged", "opaque", "_canon",
-                 "_owner", "hooks", "_where", "adopt", "rounding", "kept", "__weakref__")
+                 "_owner", "hooks", "_where", "adopt", "rounding", "kept", "runtime", "__weakref__")
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], *, via_host: bool = False,
                  bits: int | None = None):
@@ -149,6 +149,9 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
         self.adopt = False
         self.rounding = None
         self.kept: tuple[int, ...] = ()  # gathered gradients the caller holds, left as p.grad (write_back)
+        #: what the backends keep of this buffer between steps (:class:`dml_optim.backends.base.BufferRuntime`,
+        #: made by them on first use; opaque here, and not copied: a copy decides and plans anew)
+        self.runtime = None
         # (gradients the parameters already have stay where they are: the first step reads or gathers them)
 
     # -- copying and pickling ----------------------------------------------------------
@@ -156,10 +159,10 @@ class FlatBuffer(GradientsMixin, BindingsMixin):
     #: Per-process bookkeeping a copy starts without: weak references to the gradient views handed out
     #: (a copy's parameters hold copies of them), the storage use counts and their storage objects, the
     #: gradient hooks (on the original's parameters: the copy hooks its own at its next step, and decides
-    #: ``adopt`` and ``rounding`` again).
+    #: ``adopt`` and ``rounding`` again), the backends' runtime (their decision and plans: made again).
     _TRANSIENT = {"grad_refs": None, "uses": None, "data_uses": None, "absent": (), "_storages": (), "hooks": None,
                   "_where": None, "adopt": False,
-                  "rounding": None, "kept": (), "_canon": None}
+                  "rounding": None, "kept": (), "_canon": None, "runtime": None}
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "__weakref__" and k not in self._TRANSIENT

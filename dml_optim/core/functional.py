@@ -82,6 +82,9 @@ __all__ = [
     "dml_adam_coefficients",
     "adamw_coefficients",
     "epsilon_before_correction",
+    "axpy_",
+    "scale_",
+    "signed",
     "MOMENTUM_MODES",
     "check_hyperparameter",
     "check_float_tensor",
@@ -313,7 +316,7 @@ def dml_adam_coefficients(learning_rate: Scalar, T: Scalar, *, beta1: float, bet
 # --------------------------------------------------------------------------
 
 
-def _axpy_(x: torch.Tensor, y: torch.Tensor, c: Scalar) -> torch.Tensor:
+def axpy_(x: torch.Tensor, y: torch.Tensor, c: Scalar) -> torch.Tensor:
     """``x += c * y`` (one op; ``c`` a number or a 0-d tensor).  Traced (:mod:`dml_optim.core.tracing`), a tensor
     ``c`` takes ``x + y * c``: ``addcmul``'s ``value`` of 1 would stay a vector multiply in the kernel."""
     if isinstance(c, torch.Tensor):
@@ -328,7 +331,7 @@ def _add_(x: torch.Tensor, c: Scalar) -> torch.Tensor:
     return x
 
 
-def _scale_(x: torch.Tensor, c: Scalar) -> torch.Tensor:
+def scale_(x: torch.Tensor, c: Scalar) -> torch.Tensor:
     """``x *= c`` (one op, skipped when ``c`` is the number 1)."""
     if isinstance(c, torch.Tensor) or c != 1:
         x.mul_(c)
@@ -338,7 +341,7 @@ def _scale_(x: torch.Tensor, c: Scalar) -> torch.Tensor:
 def _add_square_(h: torch.Tensor, g: torch.Tensor, c: Scalar, scratch: torch.Tensor | None) -> torch.Tensor:
     """``h += c * g * g``; with a tensor ``c`` the product goes through ``scratch``."""
     if isinstance(c, torch.Tensor):
-        if is_compiling():  # (as in _axpy_: the same value, no multiply by 1)
+        if is_compiling():  # (as in axpy_: the same value, no multiply by 1)
             return h.add_(g * c * g)
         return h.addcmul_(torch.mul(g, c, out=scratch), g)
     return h.addcmul_(g, g, value=c)
@@ -347,7 +350,7 @@ def _add_square_(h: torch.Tensor, g: torch.Tensor, c: Scalar, scratch: torch.Ten
 def _add_ratio_(x: torch.Tensor, num: torch.Tensor, den: torch.Tensor, c: Scalar) -> torch.Tensor:
     """``x += c * num / den``; overwrites ``den`` when ``c`` is a tensor."""
     if isinstance(c, torch.Tensor):
-        if is_compiling():  # (as in _axpy_)
+        if is_compiling():  # (as in axpy_)
             return x.add_(num / den * c)
         return x.addcmul_(torch.div(num, den, out=den), c)
     return x.addcdiv_(num, den, value=c)
@@ -362,7 +365,7 @@ def _regularized(x: torch.Tensor, g: torch.Tensor, norm_coefficient: Scalar, scr
     is added: ``G_reg = -G + norm_coefficient * X = -(G - norm_coefficient * X)``;
     negation is exact, so the callers fold the sign into their coefficients.
     """
-    norm_coefficient = _signed(norm_coefficient, grad_sign)
+    norm_coefficient = signed(norm_coefficient, grad_sign)
     if not isinstance(norm_coefficient, torch.Tensor) and norm_coefficient == 0:
         return g
     if isinstance(norm_coefficient, torch.Tensor):
@@ -370,7 +373,7 @@ def _regularized(x: torch.Tensor, g: torch.Tensor, norm_coefficient: Scalar, scr
     return torch.add(g, x, alpha=norm_coefficient, out=scratch)
 
 
-def _signed(c: Scalar, sign: float) -> Scalar:
+def signed(c: Scalar, sign: float) -> Scalar:
     """``sign * c`` without an op when ``sign`` is 1 (``sign`` is a structural Python number: +1 or -1)."""
     if sign == 1:
         return c
@@ -398,7 +401,7 @@ def adagrad_(
     u = _regularized(x, g, norm_coefficient, scratch, grad_sign)  # G_reg = grad_sign * u
     h.addcmul_(u, u)
     den = _add_(torch.sqrt(h, out=scratch2 if u is scratch else scratch), epsilon)
-    _add_ratio_(x, u, den, _signed(rate.neg() if isinstance(rate, torch.Tensor) else -rate, grad_sign))
+    _add_ratio_(x, u, den, signed(rate.neg() if isinstance(rate, torch.Tensor) else -rate, grad_sign))
 
 
 def momentum_(
@@ -423,15 +426,15 @@ def momentum_(
     u = _regularized(x, g, norm_coefficient, scratch, grad_sign)  # G_reg = grad_sign * u
     neg_lr = lr.neg() if isinstance(lr, torch.Tensor) else -lr
     if v is None:
-        _axpy_(x, u, _signed(neg_lr, grad_sign))
+        axpy_(x, u, signed(neg_lr, grad_sign))
         return
-    _scale_(v, alpha)
-    _axpy_(v, u, _signed(grad_scale, grad_sign))
+    scale_(v, alpha)
+    axpy_(v, u, signed(grad_scale, grad_sign))
     if nesterov:
-        _axpy_(x, u, _signed(neg_lr, grad_sign))
-        _axpy_(x, v, neg_lr * alpha)
+        axpy_(x, u, signed(neg_lr, grad_sign))
+        axpy_(x, v, neg_lr * alpha)
     else:
-        _axpy_(x, v, neg_lr)
+        axpy_(x, v, neg_lr)
 
 
 def adam_(
@@ -469,17 +472,17 @@ def adam_(
     (``alpha = beta = 1``, ``step_size = 0``).  ``scratch2`` is needed only with a
     nonzero ``norm_coefficient`` and a tensor ``beta`` (else allocated).
     """
-    _scale_(x, decay)
+    scale_(x, decay)
     u = _regularized(x, g, norm_coefficient, scratch, grad_sign)  # G_reg = grad_sign * u
-    _scale_(v, alpha)
-    _axpy_(v, u, (1 - alpha) * grad_sign)
-    _scale_(h, beta)
+    scale_(v, alpha)
+    axpy_(v, u, (1 - alpha) * grad_sign)
+    scale_(h, beta)
     _add_square_(h, u, 1 - beta, scratch if u is not scratch else scratch2)
     if h_max is not None:
         h = torch.maximum(h_max, h, out=h_max)
     den = _add_(torch.sqrt(h, out=scratch), epsilon)
     _add_ratio_(x, v, den, step_size.neg() if isinstance(step_size, torch.Tensor) else -step_size)
-    _scale_(x, 1 - norm_coefficient_post)
+    scale_(x, 1 - norm_coefficient_post)
 
 
 # --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ Two kinds of settings live in a param group:
   ``backend``, ``state_dtype``, ``state_bits``, ``compute_dtype``, ``master_weights``,
   ``kahan``, ``rounding``, ``nonfinite`` and ``capturable``.
 
-Optimizer-wide settings (``atomic``, ``checks``, ``pack_via``) are attributes
+Optimizer-wide settings (``atomic``, ``checks``, ``pack_via``, ``repeat``) are attributes
 of the optimizer, not of a group.  :func:`check_options` validates a group's
 options in place and returns nothing; every message names the option and the
 value.
@@ -96,7 +96,8 @@ class OptimizerOptions(TypedDict, total=False):
     ``compute_dtype``, ``master_weights``, ``kahan``, ``rounding`` (``"nearest"``, ``"stochastic"``), ``nonfinite``
     (``"propagate"``, ``"skip"``, ``"raise"``), ``capturable``.  Optimizer-wide:
     ``atomic`` (roll a failed step back), ``checks`` (``"full"``, ``"refs"``, ``"fast"``),
-    ``pack_via`` (``"auto"``, ``"device"``, ``"host"``).
+    ``pack_via`` (``"auto"``, ``"device"``, ``"host"``), ``repeat`` (True: a steady step repeats the last
+    one's plan; False: every step plans from scratch, the path a repeat must equal bit for bit).
     """
 
     backend: str
@@ -111,6 +112,7 @@ class OptimizerOptions(TypedDict, total=False):
     atomic: bool
     checks: str
     pack_via: str
+    repeat: bool
 
 
 def dtype_option(name: str, value) -> torch.dtype | None:

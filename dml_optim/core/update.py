@@ -38,6 +38,7 @@ import torch
 from dml_optim.core.packing import storage_less
 from dml_optim.core.quant import QuantizedState, block_mask, format_named
 from dml_optim.core.rounding import RoundingKey, write_rounded
+from dml_optim.core.rule import Rule
 
 __all__ = ["step_scalars", "run_rule", "fused_step", "masked_scalars", "masked_step", "conversion_count",
            "coefficient_dtype", "storage_dtype", "KernelKey", "MaskedKey", "operand_names", "kernel_operands"]
@@ -49,7 +50,7 @@ class KernelKey(NamedTuple):
     ``storage``: how each operand is stored (``x``'s dtype, ``g``'s, then each state's dtype or quantized
     format name, then whether padding is masked, ``valid``)."""
 
-    cls: Any
+    rule: Rule  # the optimizer's update (one rule per optimizer class: compared by identity)
     structure: tuple  # (name, value) of every structural hyperparameter (choices, flags, exact zeros)
     names: tuple  # the float hyperparameters the kernel takes as 0-d tensors, in order
     compute_dtype: torch.dtype
@@ -73,7 +74,7 @@ class KernelKey(NamedTuple):
 class MaskedKey(NamedTuple):
     """What selects one compiled masked-update kernel (:func:`masked_step`)."""
 
-    cls: Any
+    rule: Rule
     fixed: tuple  # sorted (name, value) of the fixed scalars
     names: tuple  # the scalars with a row in the table
     table_dtype: torch.dtype
@@ -131,25 +132,25 @@ def _full_like(value, like: torch.Tensor) -> torch.Tensor:
     return torch.full_like(like, value)
 
 
-def step_scalars(cls, hyper: Mapping[str, Any], T, finite: torch.Tensor | None,
+def step_scalars(rule: Rule, hyper: Mapping[str, Any], T, finite: torch.Tensor | None,
                  coef_dtype: torch.dtype = torch.float32, constants: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The scalars of ``cls.rule`` after ``T`` completed steps (a number, or a 0-d device tensor);
-    ``constants``: ``cls.constants(hyper)``, when the caller keeps them (per settings).
+    """The scalars of ``rule.apply`` after ``T`` completed steps (a number, or a 0-d device tensor);
+    ``constants``: ``rule.constants(hyper)``, when the caller keeps them (per settings).
 
     With ``finite`` (a 0-d bool on the device), every coefficient of
-    ``cls.skip_identity`` becomes ``where(finite, value, identity)``: a skipped
+    ``rule.skip_identity`` becomes ``where(finite, value, identity)``: a skipped
     step changes nothing.  Number operands become 0-d tensors made with a
     device fill (no host-to-device copy, no sync).
     """
     if isinstance(T, torch.Tensor):
-        T = T.to(coef_dtype) + cls.step_offset
+        T = T.to(coef_dtype) + rule.step_offset
     else:
-        T = T + cls.step_offset
-    scalars = {**(cls.constants(hyper) if constants is None else constants), **cls.coefficients(hyper, T)}
+        T = T + rule.step_offset
+    scalars = {**(rule.constants(hyper) if constants is None else constants), **rule.coefficients(hyper, T)}
     if finite is None:
         return scalars
     like = T if isinstance(T, torch.Tensor) else torch.zeros((), dtype=coef_dtype, device=finite.device)
-    for name, identity in cls.skip_identity.items():
+    for name, identity in rule.skip_identity.items():
         if name not in scalars:
             continue
         value = scalars[name]
@@ -171,14 +172,14 @@ def conversion_count(x: torch.dtype, g: torch.dtype, states: Sequence[torch.dtyp
     return (x != compute_dtype) + (g != compute_dtype) + sum(s != compute_dtype for s in states)
 
 
-def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scalars: Mapping[str, Any], *,
+def run_rule(rule: Rule, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scalars: Mapping[str, Any], *,
              compute_dtype: torch.dtype, finite: torch.Tensor | None = None, params_out: torch.Tensor | None = None,
              comp: torch.Tensor | None = None, buffers: Sequence[torch.Tensor] | None = None,
              scratch: Sequence[torch.Tensor | None] = (), fused: bool = False,
              valid: torch.Tensor | None = None, index: torch.Tensor | None = None,
              small: torch.Tensor | None = None, pad: torch.Tensor | None = None,
              rounding: RoundingKey | None = None, grad_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Apply ``cls.rule`` to one range, in place on ``x`` and ``states``.
+    """Apply ``rule.apply`` to one range, in place on ``x`` and ``states``.
 
     ``x``: the values the rule updates (the parameters, or their FP32 master
     copy, in which case ``params_out`` receives the rounded result); ``comp``:
@@ -228,7 +229,7 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     if grad_scale is not None:
         gs = gs.mul_(grad_scale.to(gs.dtype))  # (the window's gradients, or their converted copy: scratch)
     ss = [up(s) for s in states]
-    cls.rule(xs, gs, *ss, scratch=scratch, **scalars)
+    rule.apply(xs, gs, *ss, scratch=scratch, **scalars)
     mask = block_mask(valid, x.numel() // valid.numel()) if valid is not None else None
     if mask is not None:  # an epsilon of 0 makes padding 0/0: it stays 0 (it feeds the L2 term)
         if fused:
@@ -270,7 +271,7 @@ def run_rule(cls, x: torch.Tensor, g: torch.Tensor, states: Sequence[Any], scala
     return returned
 
 
-def fused_step(cls, structure: Mapping[str, Any], names: Sequence[str], compute_dtype: torch.dtype, gated: bool,
+def fused_step(rule: Rule, structure: Mapping[str, Any], names: Sequence[str], compute_dtype: torch.dtype, gated: bool,
                has_out: bool, has_comp: bool, formats: Sequence[str | None], has_valid: bool,
                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The whole step of one range as the compiled backend traces it (positional tensors only: a
@@ -291,17 +292,17 @@ def fused_step(cls, structure: Mapping[str, Any], names: Sequence[str], compute_
     x, g, T, finite = given["x"], given["g"], given["T"], given.get("finite")
     hyper = {n: given[f"hyper.{n}"] for n in names}
     hyper.update(structure)
-    scalars = step_scalars(cls, hyper, T, finite, coefficient_dtype(x.device, compute_dtype))
-    returned = run_rule(cls, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite,
+    scalars = step_scalars(rule, hyper, T, finite, coefficient_dtype(x.device, compute_dtype))
+    returned = run_rule(rule, x, g, states, scalars, compute_dtype=compute_dtype, finite=finite,
                         params_out=given.get("params_out"), comp=given.get("comp"), fused=True,
-                        scratch=(None,) * cls.scratch_slots, valid=given.get("valid"))
+                        scratch=(None,) * rule.scratch_slots, valid=given.get("valid"))
     T.add_(finite.to(T.dtype) if finite is not None else 1)
     if returned:  # (then the step's scalars too: each computed once, not again at every vector of the second pass)
         returned += [v for v in scalars.values() if isinstance(v, torch.Tensor)]
     return tuple(returned)
 
 
-def masked_scalars(cls, hyper: Mapping[str, Any], by_count: Mapping[int, dict[str, Any]], counts: Sequence[int | None],
+def masked_scalars(rule: Rule, hyper: Mapping[str, Any], by_count: Mapping[int, dict[str, Any]], counts: Sequence[int | None],
                    sizes: Sequence[int], *, fold: bool) -> tuple[dict[str, Any], list[str], list[list[float]]]:
     """The scalars of one masked update: ``(fixed, names, table)``.
 
@@ -317,9 +318,9 @@ def masked_scalars(cls, hyper: Mapping[str, Any], by_count: Mapping[int, dict[st
     new kernel.
     """
     some = by_count[next(c for c in counts if c is not None)]
-    idle = {**some, **{k: v for k, v in cls.skip_identity.items() if k in some}}  # a step that changes nothing
+    idle = {**some, **{k: v for k, v in rule.skip_identity.items() if k in some}}  # a step that changes nothing
     rows = [by_count[n] if n is not None else idle for n in counts]
-    coefficients = set(cls.coefficients(hyper, 0)) | set(cls.skip_identity)
+    coefficients = set(rule.coefficients(hyper, 0)) | set(rule.skip_identity)
 
     def is_fixed(k: str) -> bool:
         values = {row[k] for row in rows}
@@ -332,7 +333,7 @@ def masked_scalars(cls, hyper: Mapping[str, Any], by_count: Mapping[int, dict[st
     return fixed, names, table
 
 
-def masked_step(cls, fixed: Mapping[str, Any], names: Sequence[str], x: torch.Tensor, g: torch.Tensor,
+def masked_step(rule: Rule, fixed: Mapping[str, Any], names: Sequence[str], x: torch.Tensor, g: torch.Tensor,
                 *rest: torch.Tensor, scratch: Sequence[torch.Tensor | None] | None = None) -> None:
     """One masked update in place (eager, and as the compiled backend traces it).
 
@@ -344,4 +345,4 @@ def masked_step(cls, fixed: Mapping[str, Any], names: Sequence[str], x: torch.Te
     scalars = dict(fixed)
     if names:
         scalars.update(zip(names, table.index_select(1, owner).unbind(0)))
-    cls.rule(x, g, *states, scratch=list(scratch) if scratch is not None else [None] * cls.scratch_slots, **scalars)
+    rule.apply(x, g, *states, scratch=list(scratch) if scratch is not None else [None] * rule.scratch_slots, **scalars)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "device", "backend_status", "install_hint", "PROBE_IN_SUBPROCESS", "PROBE_TIMEOUT_S"]
+__all__ = ["available", "device", "backend_status", "install_hint", "probe_subprocess", "PROBE_IN_SUBPROCESS", "PROBE_TIMEOUT_S"]
 
 #: Probe torch-directml in a child interpreter before importing it here.
 PROBE_IN_SUBPROCESS = True
@@ -93,8 +93,9 @@ def _signal_name(returncode: int) -> str:
 
 
 @lru_cache(maxsize=1)
-def _probe_subprocess() -> tuple[bool, str]:
-    """Run the DirectML probe in a child interpreter; never raises."""
+def probe_subprocess() -> tuple[bool, str]:
+    """Run the DirectML probe in a child interpreter; never raises.  Cached per process (``probe_subprocess.cache_clear()``
+    forgets the result: a test that installs a fake plugin)."""
     try:
         done = subprocess.run(
             [sys.executable, "-c", _PROBE], capture_output=True, text=True,
@@ -160,7 +161,7 @@ def available() -> tuple[bool, str]:
         if not installed:
             return False, f"torch-directml is not installed ({install_hint()})"
         if PROBE_IN_SUBPROCESS:
-            ok, reason = _probe_subprocess()
+            ok, reason = probe_subprocess()
             if not ok:
                 return False, reason
         module, reason = _load()

@@ -13,7 +13,8 @@ from dml_optim.optimizers.adam import Adam
 from dml_optim.optimizers.adamw import AdamW
 from dml_optim.optimizers.base import BufferInfo, FlatOptimizer
 from dml_optim.optimizers.dml_adam import DmlAdam
+from dml_optim.optimizers.lion import Lion
 from dml_optim.optimizers.momentum import Momentum
 from dml_optim.optimizers.sgd import SGD
 
-__all__ = ["Adam", "AdamW", "Adagrad", "Momentum", "SGD", "DmlAdam", "FlatOptimizer", "BufferInfo"]
+__all__ = ["Adam", "AdamW", "Adagrad", "Momentum", "SGD", "DmlAdam", "Lion", "FlatOptimizer", "BufferInfo"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import dml_optim.core.functional as F
+from dml_optim.core.rule import Rule
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, same_alias
 
@@ -14,6 +15,43 @@ if TYPE_CHECKING:
     from dml_optim.core.options import OptimizerOptions
 
 __all__ = ["Adagrad"]
+
+
+
+def _initial(hyper, name: str) -> float:
+    return hyper["initial_accumulator_value"]
+
+
+def _scratch(hyper, gated: bool) -> int:
+    return 2 if hyper["norm_coefficient"] else 1
+
+
+def _constants(hyper):
+    return {"epsilon": hyper["epsilon"], "norm_coefficient": hyper["norm_coefficient"],
+            "grad_sign": -1.0 if hyper["maximize"] else 1.0}
+
+
+def _coefficients(hyper, T):
+    return F.adagrad_coefficients(hyper["lr"], T, decay_factor=hyper["decay_factor"])
+
+
+def _apply(x, g, h, *, scratch, **scalars):
+    F.adagrad_(x, g, h, scratch=scratch[0], scratch2=scratch[1], **scalars)
+
+
+def _fused(hyper, count):
+    # torch.optim.Adagrad: lr / (1 + (step - 1) * lr_decay) with step = T + 1
+    return "_fused_adagrad_", dict(lr=hyper["lr"], lr_decay=hyper["decay_factor"],
+                                   weight_decay=hyper["norm_coefficient"], eps=hyper["epsilon"],
+                                   maximize=hyper["maximize"])
+
+
+#: ONNX Adagrad-1's update, as data (:class:`~dml_optim.core.rule.Rule`): T = completed steps.
+RULE = Rule(
+    name="Adagrad", apply=_apply, coefficients=_coefficients, constants=_constants, states=("sum",),
+    unsigned_states=("sum",), skip_identity={"epsilon": 1.0, "rate": 0.0, "norm_coefficient": 0.0},
+    zero_skips=("decay_factor", "norm_coefficient"), scratch_slots=2, scratch_for=_scratch, fused=_fused,
+    fused_counts="none", initial=_initial)
 
 
 class Adagrad(FlatOptimizer):
@@ -65,12 +103,7 @@ class Adagrad(FlatOptimizer):
         default_lr=1e-2,
         train_lr=3e-2,
     )
-    state_names = ("sum",)
-    unsigned_states = ("sum",)
-    step_offset = 0
-    skip_identity = {"epsilon": 1.0, "rate": 0.0, "norm_coefficient": 0.0}
-    zero_skips = ("decay_factor", "norm_coefficient")
-    scratch_slots = 2
+    rule = RULE
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float | None = None, weight_decay: float | None = None,
                  initial_accumulator_value: float = 0.0, eps: float | None = None, foreach: bool | None = None, *,
@@ -81,33 +114,3 @@ class Adagrad(FlatOptimizer):
                                       initial_accumulator_value=initial_accumulator_value, maximize=maximize),
                          dict(lr_decay=lr_decay, eps=eps, weight_decay=weight_decay), options,
                          dict(foreach=foreach, fused=fused, differentiable=differentiable))
-
-    @classmethod
-    def initial_state(cls, hyper, name: str) -> float:
-        return hyper["initial_accumulator_value"]
-
-    @classmethod
-    def scratch_count(cls, hyper, gated: bool) -> int:
-        return 2 if hyper["norm_coefficient"] else 1
-
-    @classmethod
-    def constants(cls, hyper):
-        return {"epsilon": hyper["epsilon"], "norm_coefficient": hyper["norm_coefficient"],
-                "grad_sign": -1.0 if hyper["maximize"] else 1.0}
-
-    @classmethod
-    def coefficients(cls, hyper, T):
-        return F.adagrad_coefficients(hyper["lr"], T, decay_factor=hyper["decay_factor"])
-
-    @staticmethod
-    def rule(x, g, h, *, scratch, **scalars):
-        F.adagrad_(x, g, h, scratch=scratch[0], scratch2=scratch[1], **scalars)
-
-    fused_counts = "none"
-
-    @classmethod
-    def fused_kernel(cls, hyper, count):
-        # torch.optim.Adagrad: lr / (1 + (step - 1) * lr_decay) with step = T + 1
-        return "_fused_adagrad_", dict(lr=hyper["lr"], lr_decay=hyper["decay_factor"],
-                                       weight_decay=hyper["norm_coefficient"], eps=hyper["epsilon"],
-                                       maximize=hyper["maximize"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import dml_optim.core.functional as F
+from dml_optim.core.rule import Rule
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, betas_alias, same_alias
 
@@ -19,6 +20,42 @@ _EPS_DIFFERS = (
     "torch's eps is added after the bias correction, ONNX Adam's epsilon before it (the two agree only at 0); "
     "pass epsilon= for the ONNX rule, or use dml_optim.AdamW for torch's semantics"
 )
+
+
+
+def _scratch(hyper, gated: bool) -> int:
+    return 2 if hyper["norm_coefficient"] and gated else 1
+
+
+def _constants(hyper):
+    return {k: hyper[k] for k in ("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post")}
+
+
+def _coefficients(hyper, T):
+    return F.adam_coefficients(hyper["lr"], T, alpha=hyper["alpha"], beta=hyper["beta"])
+
+
+def _apply(x, g, v, h, *, scratch, **scalars):
+    F.adam_(x, g, v, h, scratch=scratch[0], scratch2=scratch[1], **scalars)
+
+
+def _fused(hyper, count):
+    # torch.optim.Adam's kernel adds eps after the bias correction: eps / sqrt(1 - beta**T) puts it before
+    if hyper["norm_coefficient_post"] != 0:
+        return None
+    return "_fused_adam_", dict(lr=hyper["lr"], beta1=hyper["alpha"], beta2=hyper["beta"],
+                                weight_decay=hyper["norm_coefficient"],
+                                eps=F.epsilon_before_correction(hyper["epsilon"], hyper["beta"], count + 1),
+                                amsgrad=False, maximize=False)
+
+
+#: ONNX Adam-1's update, as data (:class:`~dml_optim.core.rule.Rule`): T = completed steps + 1.
+RULE = Rule(
+    name="Adam", apply=_apply, coefficients=_coefficients, constants=_constants,
+    states=("exp_avg", "exp_avg_sq"), unsigned_states=("exp_avg_sq", "max_exp_avg_sq"), step_offset=1,
+    skip_identity={"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0, "norm_coefficient": 0.0,
+                   "norm_coefficient_post": 0.0},
+    zero_skips=("norm_coefficient", "norm_coefficient_post"), scratch_slots=2, scratch_for=_scratch, fused=_fused)
 
 
 class Adam(FlatOptimizer):
@@ -89,13 +126,7 @@ class Adam(FlatOptimizer):
         default_lr=1e-3,
         train_lr=3e-3,
     )
-    state_names = ("exp_avg", "exp_avg_sq")
-    unsigned_states = ("exp_avg_sq", "max_exp_avg_sq")
-    step_offset = 1
-    skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0, "norm_coefficient": 0.0,
-                     "norm_coefficient_post": 0.0}
-    zero_skips = ("norm_coefficient", "norm_coefficient_post")
-    scratch_slots = 2
+    rule = RULE
 
     def __init__(self, params, lr: float = 1e-3, *, alpha: float = 0.9, beta: float = 0.999, epsilon: float = 1e-6,
                  norm_coefficient: float = 0.0, norm_coefficient_post: float = 0.0,
@@ -104,29 +135,3 @@ class Adam(FlatOptimizer):
         super().__init__(params, dict(lr=lr, alpha=alpha, beta=beta, epsilon=epsilon, norm_coefficient=norm_coefficient,
                                       norm_coefficient_post=norm_coefficient_post),
                          dict(betas=betas, weight_decay=weight_decay), options)
-
-    @classmethod
-    def scratch_count(cls, hyper, gated: bool) -> int:
-        return 2 if hyper["norm_coefficient"] and gated else 1
-
-    @classmethod
-    def constants(cls, hyper):
-        return {k: hyper[k] for k in ("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post")}
-
-    @classmethod
-    def coefficients(cls, hyper, T):
-        return F.adam_coefficients(hyper["lr"], T, alpha=hyper["alpha"], beta=hyper["beta"])
-
-    @staticmethod
-    def rule(x, g, v, h, *, scratch, **scalars):
-        F.adam_(x, g, v, h, scratch=scratch[0], scratch2=scratch[1], **scalars)
-
-    @classmethod
-    def fused_kernel(cls, hyper, count):
-        # torch.optim.Adam's kernel adds eps after the bias correction: eps / sqrt(1 - beta**T) puts it before
-        if hyper["norm_coefficient_post"] != 0:
-            return None
-        return "_fused_adam_", dict(lr=hyper["lr"], beta1=hyper["alpha"], beta2=hyper["beta"],
-                                    weight_decay=hyper["norm_coefficient"],
-                                    eps=F.epsilon_before_correction(hyper["epsilon"], hyper["beta"], count + 1),
-                                    amsgrad=False, maximize=False)

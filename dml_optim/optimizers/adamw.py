@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import dml_optim.core.functional as F
+from dml_optim.core.rule import Rule
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, betas_alias
 
@@ -24,6 +25,36 @@ def _checkpoint_refusal(saved) -> str | None:
         return ("it is a torch.optim.Adam checkpoint with weight_decay (an L2 term on the gradient), "
                 "not AdamW's decoupled decay")
     return None
+
+
+
+def _states(hyper) -> tuple[str, ...]:
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if hyper["amsgrad"] else ())
+
+
+def _constants(hyper):
+    return {"alpha": hyper["beta1"], "beta": hyper["beta2"], "grad_sign": -1.0 if hyper["maximize"] else 1.0}
+
+
+def _coefficients(hyper, T):
+    return F.adamw_coefficients(hyper["lr"], T, beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                                weight_decay=hyper["weight_decay"])
+
+
+def _apply(x, g, m, v, v_max=None, *, scratch, **scalars):
+    F.adam_(x, g, m, v, h_max=v_max, scratch=scratch[0], **scalars)
+
+
+def _fused(hyper, count):
+    return "_fused_adamw_", {k: hyper[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps", "amsgrad", "maximize")}
+
+
+#: torch.optim.AdamW's update, as data (:class:`~dml_optim.core.rule.Rule`): t = completed steps + 1.
+RULE = Rule(
+    name="AdamW", apply=_apply, coefficients=_coefficients, constants=_constants, states=("exp_avg", "exp_avg_sq"),
+    states_for=_states, unsigned_states=("exp_avg_sq", "max_exp_avg_sq"), step_offset=1,
+    skip_identity={"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0, "decay": 1.0},
+    zero_skips=("weight_decay",), scratch_slots=2, fused=_fused, fused_counts="none")
 
 
 class AdamW(FlatOptimizer):
@@ -77,12 +108,7 @@ class AdamW(FlatOptimizer):
         default_lr=1e-3,
         train_lr=3e-3,
     )
-    state_names = ("exp_avg", "exp_avg_sq")
-    unsigned_states = ("exp_avg_sq", "max_exp_avg_sq")
-    step_offset = 1
-    skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0, "decay": 1.0}
-    zero_skips = ("weight_decay",)
-    scratch_slots = 2
+    rule = RULE
     #: a torch.optim checkpoint this class must not load (see the state-dict loader)
     checkpoint_refusal = staticmethod(_checkpoint_refusal)
 
@@ -101,27 +127,3 @@ class AdamW(FlatOptimizer):
                                       amsgrad=amsgrad, maximize=maximize),
                          dict(betas=betas), dict(options, capturable=capturable),
                          dict(foreach=foreach, fused=fused, differentiable=differentiable))
-
-    @classmethod
-    def group_state_names(cls, hyper) -> tuple[str, ...]:
-        return cls.state_names + (("max_exp_avg_sq",) if hyper["amsgrad"] else ())
-
-    @classmethod
-    def constants(cls, hyper):
-        return {"alpha": hyper["beta1"], "beta": hyper["beta2"], "grad_sign": -1.0 if hyper["maximize"] else 1.0}
-
-    @classmethod
-    def coefficients(cls, hyper, T):
-        return F.adamw_coefficients(hyper["lr"], T, beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
-                                    weight_decay=hyper["weight_decay"])
-
-    @staticmethod
-    def rule(x, g, m, v, v_max=None, *, scratch, **scalars):
-        F.adam_(x, g, m, v, h_max=v_max, scratch=scratch[0], **scalars)
-
-    fused_counts = "none"
-
-    @classmethod
-    def fused_kernel(cls, hyper, count):
-        return "_fused_adamw_", {k: hyper[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps", "amsgrad",
-                                                       "maximize")}

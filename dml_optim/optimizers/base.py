@@ -1,10 +1,10 @@
 """The stateful wrapper every optimizer shares: flat buffers, a validated two-phase step.
 
-A subclass declares what it is (``spec``: hyperparameters, torch.optim twin;
-``state_names``, ``step_offset``, ``max_step``, ``dtypes``, ``skip_identity``)
-and its math as class-level functions of plain data (``constants``,
-``coefficients``, ``rule``); :mod:`dml_optim.core.update` strings them together.
-This class does the rest:
+A subclass declares what it is (``spec``: hyperparameters, torch.optim twin, if any)
+and its math as one value, ``rule`` (a :class:`~dml_optim.core.rule.Rule`: the
+per-step scalars, the element-wise update, the states, the fused kernel where torch
+has one); the backends and :mod:`dml_optim.core.update` receive that value, never
+the optimizer (docs/guide/writing-an-optimizer.md).  This class does the rest:
 
 * **layout** (:mod:`~dml_optim.optimizers.layout`): each param group's trainable parameters are packed
   into one :class:`~dml_optim.core.flat.FlatBuffer` per (device, dtype); frozen parameters
@@ -35,14 +35,16 @@ This class does the rest:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch.optim import Optimizer
 
-from dml_optim.backends.modes import is_compiling as _is_compiling
+from dml_optim.backends.choose import is_compiling as _is_compiling
 from dml_optim.core.dtypes import check_directml_dtypes
 from dml_optim.core.flat import describe_param
+from dml_optim.core.rule import Rule
 from dml_optim.core.grads import zero_in_place
 from dml_optim.optimizers.contract import ContractMixin
 from dml_optim.optimizers.engine import EngineMixin
@@ -76,69 +78,62 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
 
     #: What this optimizer is (name, hyperparameters, torch.optim twin).
     spec: ClassVar[OptimizerSpec]
-    #: Names of the per-parameter state tensors (torch.optim's names).
-    state_names: ClassVar[tuple[str, ...]] = ()
-    #: States that are never negative (a second moment, a sum of squares): quantized without a sign and
-    #: without a zero level (``state_bits``, dml_optim.core.quant); the others keep a sign and an exact zero.
-    unsigned_states: ClassVar[tuple[str, ...]] = ()
-    #: T passed to the rule = completed steps + step_offset.
-    step_offset: ClassVar[int] = 0
-    #: The largest completed-step count a parameter may reach, and why.
-    max_step: ClassVar[int] = MAX_STEP
-    max_step_reason: ClassVar[str] = "step counts are saved as float64, exact to 2**53"
-    #: Parameter dtypes the rule accepts.
-    dtypes: ClassVar[tuple[torch.dtype, ...]] = SUPPORTED_DTYPES
-    #: Scalars that make a step an exact no-op when gated (a skipped step).
-    skip_identity: ClassVar[dict[str, float]] = {}
-    #: Float hyperparameters whose exact zero removes ops (a structural choice for the compiled kernel).
-    zero_skips: ClassVar[tuple[str, ...]] = ()
-    #: Scratch tensors the rule takes (the most it ever uses).
-    scratch_slots: ClassVar[int] = 1
-    #: How :meth:`fused_kernel`'s arguments depend on the count: ``"none"`` (the same for every count),
-    #: ``"first"`` (one set at count 0, one after), ``"each"`` (a set per count).
-    fused_counts: ClassVar[str] = "each"
+    #: The update, as data (:class:`~dml_optim.core.rule.Rule`): what the backends run.  The class attributes
+    #: below are read from it (``__init_subclass__``), for the code of this layer and the tests.
+    rule: ClassVar[Rule]
     #: ``f(saved_torch_group) -> reason | None``: torch.optim checkpoints this class must refuse
     #: beyond the generic flags check (AdamW refuses an L2-decay Adam checkpoint).
     checkpoint_refusal: ClassVar[Callable[[dict], str | None] | None] = None
 
-    # -- the math (class-level: no instance state, so the compiled kernel can call them) ----
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Complete the class's :class:`~dml_optim.core.rule.Rule` (its ``floats`` from the spec: the compiled
+        kernel's scalar arguments) and read the rule's facts into class attributes (``state_names``, ``step_offset``,
+        ``max_step``, ``dtypes``, ...), so that a subclass declares its update once, as its ``rule``."""
+        super().__init_subclass__(**kwargs)
+        rule = cls.__dict__.get("rule")
+        if not isinstance(rule, Rule):
+            return  # (a subclass of a concrete optimizer: its parent's rule)
+        spec = cls.__dict__.get("spec")
+        if not (rule.floats or rule.switches) and spec is not None:
+            rule = cls.rule = dataclasses.replace(
+                rule, floats=tuple(h.name for h in spec.hyperparameters if h.kind == "float"),
+                switches=tuple(h.name for h in spec.hyperparameters if h.kind != "float"))
+        for name in ("unsigned_states", "step_offset", "max_step", "max_step_reason", "dtypes", "skip_identity",
+                     "zero_skips", "scratch_slots", "fused_counts"):
+            setattr(cls, name, getattr(rule, name))
+        cls.state_names = rule.states
+
+    # -- the rule's functions, read through the class (this layer's code and the tests) ----
 
     @classmethod
     def constants(cls, hyper) -> dict[str, Any]:
-        """Scalars of the rule that do not change with the step (from the hyperparameters)."""
-        return {}
+        """Scalars of the rule that do not change with the step (``rule.constants``)."""
+        return cls.rule.constants(hyper)
 
     @classmethod
-    def coefficients(cls, hyper, T) -> dict[str, Any]:  # pragma: no cover - abstract
-        """Per-step scalars at step ``T`` (a number or a 0-d tensor)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def rule(x, g, *states, scratch, **scalars) -> None:  # pragma: no cover - abstract
-        """The in-place update of one range (a function of :mod:`dml_optim.core.functional`)."""
-        raise NotImplementedError
+    def coefficients(cls, hyper, T) -> dict[str, Any]:
+        """Per-step scalars at step ``T`` (a number or a 0-d tensor; ``rule.coefficients``)."""
+        return cls.rule.coefficients(hyper, T)
 
     @classmethod
     def fused_kernel(cls, hyper, count: int) -> tuple[str, dict[str, Any]] | None:
-        """torch's fused CPU kernel that computes :meth:`rule` after ``count`` completed steps: its name in
-        ``torch`` and its keyword arguments (the step tensors it reads hold ``count + 1``), or None where
-        none does (:mod:`dml_optim.backends.fused`)."""
-        return None
+        """torch's fused CPU kernel of the rule after ``count`` completed steps, or None (``rule.fused_kernel``)."""
+        return cls.rule.fused_kernel(hyper, count)
 
     @classmethod
     def scratch_count(cls, hyper, gated: bool) -> int:
-        """Full-size scratch tensors the eager rule needs."""
-        return 1
+        """Full-size scratch tensors the eager rule needs (``rule.scratch_count``)."""
+        return cls.rule.scratch_count(hyper, gated)
 
     @classmethod
     def group_state_names(cls, hyper) -> tuple[str, ...]:
         """The states a group with these hyperparameters keeps (AdamW's AMSGrad adds one)."""
-        return cls.state_names
+        return cls.rule.group_state_names(hyper)
 
     @classmethod
     def initial_state(cls, hyper, name: str) -> float:
         """The value a fresh state starts at (0; Adagrad's ``sum``: ``initial_accumulator_value``)."""
-        return 0.0
+        return cls.rule.initial_state(hyper, name)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -153,6 +148,10 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         #: the first and last parameter's (see the README).
         self.checks = check_choice("checks", options.pop("checks", "full"), CHECK_MODES)
         self.pack_via = check_choice("pack_via", options.pop("pack_via", "auto"), PACK_MODES)
+        #: True (the default): a step whose buffers, bindings and structural settings did not change since a
+        #: plain step repeats that step's plan (no layout work, no new decision); False: every step is planned
+        #: from scratch, the path a repeat must equal bit for bit (tests, and a suspicion that a repeat is wrong)
+        self.repeat = check_flag("repeat", options.pop("repeat", True))
         for name in options:
             if name in cls.spec.torch.refused:
                 raise TypeError(f"{cls.__name__}() got {name}={options[name]!r}: {cls.spec.torch.refused[name]}")
@@ -349,7 +348,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
             self.step_scaled(torch.reciprocal(scale.float()) if scale is not None else None, found_inf=found_inf)
             return loss
         self._steady = None
-        requests = self._requests(in_place=True)
+        requests = self.step_requests(in_place=True)
         self._raise_if_nonfinite([r.flat for r in requests if r.group["nonfinite"] == "raise"])
         finite = self._all_finite([r.flat for r in requests if r.group["nonfinite"] == "skip"])
         planned = self._run(requests, lambda group, flat: finite.to(flat.device) if group["nonfinite"] == "skip" else None)
@@ -368,7 +367,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         """
         self._check_capture()
         self._check_params()
-        requests = self._requests(False)
+        requests = self.step_requests()
         work = [(r.group, r.flat) for r in requests]
         if not work:
             device = (inv_scale if inv_scale is not None else found_inf).device

@@ -195,15 +195,17 @@ class ContractMixin:
 
         torch.optim pickles only ``defaults``, ``state`` and ``param_groups``;
         ours keeps every attribute (the flat buffers, step counts, ``atomic``,
-        ``checks``, ``pack_via``, ...), so ``copy.deepcopy`` and
+        ``checks``, ``pack_via``, ``repeat``, ...), so ``copy.deepcopy`` and
         ``torch.save``/``torch.load(weights_only=False)`` give a working optimizer.
         A copy copies every flat buffer (parameters, gradients, states).
         """
-        return {k: v for k, v in self.__dict__.items() if not (k.startswith("_optimizer_") and k.endswith("_hooks"))}
+        return {k: v for k, v in self.__dict__.items()
+                if not (k.startswith("_optimizer_") and k.endswith("_hooks")) and k != "_owner"}  # (a copy: its own)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # torch.optim: empty hooks, the step wrapper
         self._steady = None  # (the next step plans from scratch)
+        self.__dict__.setdefault("repeat", True)  # (pickled before the option existed)
         if "_layout" in state:
             self._rebind_copy()
 

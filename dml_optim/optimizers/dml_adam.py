@@ -10,6 +10,7 @@ import torch
 import dml_optim.core.functional as F
 from dml_optim.core.dtypes import state_dtype
 from dml_optim.optimizers.adam import _EPS_DIFFERS
+from dml_optim.core.rule import Rule
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent, betas_alias
 
@@ -21,6 +22,34 @@ if TYPE_CHECKING:
 __all__ = ["DmlAdam", "UINT32_MAX"]
 
 UINT32_MAX = 2**32 - 1
+
+
+
+def _constants(hyper):
+    return {"alpha": hyper["beta1"], "beta": hyper["beta2"], "epsilon": hyper["epsilon"]}
+
+
+def _coefficients(hyper, T):
+    return F.dml_adam_coefficients(hyper["lr"], T, beta1=hyper["beta1"], beta2=hyper["beta2"])
+
+
+def _apply(x, g, m, v, *, scratch, **scalars):
+    F.adam_(x, g, m, v, scratch=scratch[0], **scalars)
+
+
+def _fused(hyper, count):
+    return "_fused_adam_", dict(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], weight_decay=0.0,
+                                eps=F.epsilon_before_correction(hyper["epsilon"], hyper["beta2"], count + 1),
+                                amsgrad=False, maximize=False)
+
+
+#: DirectML's ADAM_OPTIMIZER update, as data (:class:`~dml_optim.core.rule.Rule`): T = completed steps + 1, DirectML's
+#: UINT32 TrainingStepTensor; FLOAT32 and FLOAT16 tensors only.
+RULE = Rule(
+    name="DmlAdam", apply=_apply, coefficients=_coefficients, constants=_constants, states=("exp_avg", "exp_avg_sq"),
+    unsigned_states=("exp_avg_sq", "max_exp_avg_sq"), step_offset=1, max_step=UINT32_MAX,
+    max_step_reason="T is DirectML's UINT32 TrainingStepTensor", dtypes=(torch.float32, torch.float16),
+    skip_identity={"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0}, scratch_slots=2, fused=_fused)
 
 
 class DmlAdam(FlatOptimizer):
@@ -73,15 +102,7 @@ class DmlAdam(FlatOptimizer):
         default_lr=1e-3,
         train_lr=3e-3,
     )
-    state_names = ("exp_avg", "exp_avg_sq")
-    unsigned_states = ("exp_avg_sq", "max_exp_avg_sq")
-    step_offset = 1
-    #: T = completed steps + 1 is DirectML's UINT32 TrainingStepTensor.
-    max_step = UINT32_MAX
-    max_step_reason = "T is DirectML's UINT32 TrainingStepTensor"
-    dtypes = (torch.float32, torch.float16)
-    skip_identity = {"epsilon": 1.0, "step_size": 0.0, "alpha": 1.0, "beta": 1.0}
-    scratch_slots = 2
+    rule = RULE
 
     def __init__(self, params, lr: float = 1e-3, *, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8,
                  betas: tuple[float, float] | None = None, **options: "Unpack[OptimizerOptions]"):
@@ -97,24 +118,6 @@ class DmlAdam(FlatOptimizer):
             if group[key] not in (None, torch.float32, torch.float16):
                 raise TypeError(f"{key}={group[key]} is not supported by DmlAdam: DirectML's ADAM_OPTIMIZER takes "
                                 "FLOAT32 or FLOAT16 only")
-
-    @classmethod
-    def constants(cls, hyper):
-        return {"alpha": hyper["beta1"], "beta": hyper["beta2"], "epsilon": hyper["epsilon"]}
-
-    @classmethod
-    def coefficients(cls, hyper, T):
-        return F.dml_adam_coefficients(hyper["lr"], T, beta1=hyper["beta1"], beta2=hyper["beta2"])
-
-    @staticmethod
-    def rule(x, g, m, v, *, scratch, **scalars):
-        F.adam_(x, g, m, v, scratch=scratch[0], **scalars)
-
-    @classmethod
-    def fused_kernel(cls, hyper, count):
-        return "_fused_adam_", dict(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], weight_decay=0.0,
-                                    eps=F.epsilon_before_correction(hyper["epsilon"], hyper["beta2"], count + 1),
-                                    amsgrad=False, maximize=False)
 
     def dml_descriptors(self) -> list[dict[str, Any]]:
         """The ADAM_OPTIMIZER descriptor of every flat buffer, in the JSON form of

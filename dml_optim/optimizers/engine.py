@@ -28,11 +28,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from dml_optim.backends.base import EagerPlan, FusedPlan, StepRequest, runtime
-from dml_optim.backends.choose import fuses, plan_step, run_plan
-from dml_optim.backends.eager import ensure_scratch
-from dml_optim.backends.fused import _present, copies_in, copy_in, reads_in_place, remember_read
-from dml_optim.backends.modes import dispatch_mode_active
+from dml_optim.backends.choose import (EagerPlan, FusedPlan, Owner, StepRequest, copies_in, copy_in, dispatch_mode_active,
+                                      ensure_scratch, fuses, plan_step, present, reads_in_place, remember_read,
+                                      resolved_backends, run_plan, runtime, tiering_pending)
 from dml_optim.core.dtypes import precision
 from dml_optim.core.flat import FlatBuffer, describe_param
 from dml_optim.core.grads import _FAST_ATTRIBUTES, _GRAD
@@ -56,14 +54,39 @@ class Steady(NamedTuple):
 class EngineMixin:
     """The running half of a flat optimizer (see the module docstring)."""
 
+    @property
+    def owner(self) -> Owner:
+        """What the backends know of this optimizer (:class:`~dml_optim.backends.base.Owner`: its rule, and the
+        fallbacks it was told of): every request carries it, never the optimizer.  Made the first time; a copy
+        of the optimizer makes its own."""
+        owner = self.__dict__.get("_owner")
+        if owner is None:
+            owner = self.__dict__["_owner"] = Owner(type(self).rule)
+        return owner
+
+    @property
+    def compile_fallback(self) -> str | None:
+        """Why this optimizer's rule runs eager instead of compiled (it was warned, once), or None."""
+        return self.owner.compile_fallback
+
+    def resolved_backends(self) -> list[list[str]]:
+        """For each param group, the backend each of its flat buffers runs with now (``"fused"``, ``"compiled"``,
+        ``"eager"``; :attr:`BufferInfo.backend` per buffer)."""
+        return resolved_backends(self.owner, self.buffers_by_group())
+
+    def tiering_pending(self) -> bool:
+        """Some buffer runs eagerly under ``backend="auto"`` now and will compile once its eager steps took about
+        a compile's time (a benchmark of the steady state steps until this is False)."""
+        return tiering_pending(self.owner, self.buffers_by_group())
+
     def _scratch_for_eager(self) -> None:
         """Give every buffer that runs torch's fused kernel the scratch its eager rule uses (a fused step needs
         none), so that a step recorded under a dispatch mode (the audit), which runs the eager rule, runs it
         as DirectML does, with nothing allocated; the next fused step drops it again."""
         for group, flats in self.buffers_by_group():
             for flat in flats:
-                if flat.precision is not None and fuses(self, group, flat):
-                    ensure_scratch(self, group, flat, group["capturable"] or group["nonfinite"] == "skip", False)
+                if flat.precision is not None and fuses(self.owner, group, flat):
+                    ensure_scratch(type(self).rule, group, flat, group["capturable"] or group["nonfinite"] == "skip", False)
 
     # -- non-finite gradients ---------------------------------------------------------------------------
 
@@ -193,6 +216,10 @@ class EngineMixin:
         return tuple(Steady(plan.request.flat, plan.request.grads is not None,
                             None if type(plan) is FusedPlan else plan, plan.backend) for plan in planned)
 
+    def steady_plans(self) -> tuple[Steady, ...]:
+        """What the next step may repeat, one :class:`Steady` per buffer (empty when it plans from scratch)."""
+        return self._steady or ()
+
     def _repeat(self) -> bool:
         """Step the way the last step did, if nothing it depended on changed: True when it stepped.
 
@@ -209,7 +236,7 @@ class EngineMixin:
         another backend, copies them into the flat buffer with one op.  Anything else takes the full path
         (False)."""
         steady = self._steady
-        if dispatch_mode_active() or getattr(self, "found_inf", None) is not None or self.atomic:
+        if not self.repeat or dispatch_mode_active() or getattr(self, "found_inf", None) is not None or self.atomic:
             return False
         mode = self.checks
         planned, runtimes, kept = [], [], []
@@ -248,7 +275,7 @@ class EngineMixin:
                         return False
                     grads, copied = again
                 rt.settings = layout.checked
-                plan = plan_step(StepRequest(self, group, flat, None, grads, copied), last)
+                plan = plan_step(StepRequest(self.owner, group, flat, None, grads, copied), last)
                 planned.append(plan)
                 runtimes.append(rt)
                 # (what made the last step repeatable holds for this one: the same buffers, settings and gates)
@@ -275,7 +302,7 @@ class EngineMixin:
         records them, so the following steps repeat with the binding check."""
         with _FAST_ATTRIBUTES():
             grads = list(map(_GRAD, flat.params))
-        index = _present(grads, None)
+        index = present(grads, None)
         if not index or flat.holds_grad(index[0], grads[index[0]]):
             return None
         if flat.rebound() if mode == "full" else flat.moved("refs") or mode == "fast" and flat.moved("fast"):
@@ -341,12 +368,12 @@ class EngineMixin:
         self._settle(gi, candidate, synced)
         rt = runtime(flat)
         rt.settings, rt.structure = layout.checked, layout.structure
-        if inv_scale is None and fuses(self, group, flat):
+        if inv_scale is None and fuses(self.owner, group, flat):
             listed = [None] * len(flat.params)
             for i, g in grads.items():
                 g = flat.check_run_grad(i, g)
                 listed[i] = g if g.is_contiguous() else g.contiguous()
-            request = StepRequest(self, group, flat, None, listed, False)
+            request = StepRequest(self.owner, group, flat, None, listed, False)
         else:
             first, stop = min(grads), max(grads) + 1
             start, end = flat.segment(first, stop)
@@ -354,7 +381,7 @@ class EngineMixin:
             if out is None or out.numel() <= end - start or out.dtype != flat.dtype or out.device != flat.device:
                 rt.window = out = None  # (the old one freed before the new one is made)
                 out = rt.window = torch.zeros(end - start + 1, dtype=flat.dtype, device=flat.device)
-            request = StepRequest(self, group, flat, window=flat.fill_window(grads, out))
+            request = StepRequest(self.owner, group, flat, window=flat.fill_window(grads, out))
         finite = None
         if inv_scale is not None:  # (max |g| < inf: false for an inf and for a NaN, which the max propagates)
             finite = torch.linalg.vector_norm(request.window[0][:end - start], float("inf")) < math.inf

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-from dml_optim.backends.modes import is_compiling
+from dml_optim.backends.choose import is_compiling
 
 __all__ = ["hook_step"]
 

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dml_optim.backends.base import runtime
-from dml_optim.backends.choose import resolved_backend
+from dml_optim.backends.choose import resolved_backend, runtime
 
 __all__ = ["BufferInfo", "buffer_infos"]
 
@@ -37,7 +36,10 @@ class BufferInfo:
     compiling later, :data:`~dml_optim.backends.choose.AUTO_COMPILE_AFTER_EAGER_S`);
     ``window``, the gradients of the last run the step inside backward stepped
     (:func:`dml_optim.step_in_backward`: sized to the buffer's largest run, one
-    element more; None without it, or where torch's fused kernel reads them in place).
+    element more; None without it, or where torch's fused kernel reads them in place); ``bound``, the
+    tensors the eager backend's repeated call of the rule is bound to, in the rule's order (the parameters or
+    their master copy, the gradient, the states), when the last step bound one (a one-class, ungated,
+    unconverted eager step over the whole buffer), else None.
     """
 
     group: int
@@ -58,20 +60,28 @@ class BufferInfo:
     repeated: bool = False
     eager_seconds: float = 0.0
     window: torch.Tensor | None = None
+    bound: tuple[torch.Tensor, ...] | None = None
 
 
 def buffer_infos(opt) -> list[BufferInfo]:
     """One :class:`BufferInfo` per flat buffer of ``opt``, in group order."""
     out = []
+    steady = {id(s.flat): s.plan for s in opt.steady_plans()}
     for gi, (group, flats) in enumerate(opt.buffers_by_group()):
         for flat in flats:
             rt = runtime(flat)
-            backend = resolved_backend(opt, group, flat)
+            backend = resolved_backend(opt.owner, group, flat)
             out.append(BufferInfo(
                 group=gi, device=flat.device, dtype=flat.dtype, param_indices=tuple(flat.indices),
                 numel=flat.numel, data=flat.data, grad=flat.grad, states=dict(flat.states), master=flat.master,
                 kahan=flat.kahan, scratch=tuple(flat.scratch), step_counts=tuple(flat.counter.counts()),
                 step_classes=len(flat.counter.classes), backend=backend, decisions=rt.decisions,
                 repeated=rt.repeated, eager_seconds=rt.eager_s, window=rt.window,
+                bound=_bound(steady.get(id(flat))),
             ))
     return out
+
+
+def _bound(plan) -> tuple[torch.Tensor, ...] | None:
+    call = getattr(plan, "steady", None)  # (an eager plan's bound call, a SteadyCall)
+    return None if call is None else tuple(call.operands)

@@ -30,10 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dml_optim.backends.base import StepRequest, runtime
-from dml_optim.backends.choose import decide, fuses
-from dml_optim.backends.eager import several_counts
-from dml_optim.backends.fused import copies_in, copy_in, reads_in_place
+from dml_optim.backends.choose import StepRequest, copies_in, copy_in, decide, fuses, reads_in_place, runtime, several_counts
 from dml_optim.core.dtypes import PRECISION_OPTIONS, check_range, precision
 from dml_optim.core.options import LOW_PRECISION_DTYPES
 from dml_optim.core.flat import (Binding, FlatBuffer, describe_param, group_key, local_tensor, param_piece,
@@ -130,7 +127,7 @@ class LayoutMixin:
         unless torch's fused kernel (``fused``: known already) reads them in place or a step inside backward does."""
         if fused is None:
             try:
-                fused = decide(self, group, flat).why_not_fused is None  # (not fuses(): it would warn now)
+                fused = decide(self.owner, group, flat).why_not_fused is None  # (not fuses(): it would warn now)
             except (KeyError, TypeError, ValueError):  # (settings not valid yet: the first step decides)
                 fused = True
         flat.adopt = not fused and getattr(self, "_in_backward", None) is None
@@ -145,10 +142,10 @@ class LayoutMixin:
 
     def _prepare(self, in_place: bool = False) -> list[tuple[dict, FlatBuffer]]:
         """Validate every group, then bring bindings up to date and allocate states; ``(group, buffer)`` of
-        every buffer with at least one gradient (:meth:`_requests` without the gradients read in place)."""
-        return [(r.group, r.flat) for r in self._requests(False)]
+        every buffer with at least one gradient (:meth:`step_requests` without the gradients read in place)."""
+        return [(r.group, r.flat) for r in self.step_requests()]
 
-    def _requests(self, in_place: bool) -> list[StepRequest]:
+    def step_requests(self, in_place: bool = False) -> list[StepRequest]:
         """Validate every group, then bring bindings up to date and allocate states.
 
         Raises before any parameter or state is written.  Returns a request per buffer that has at least
@@ -175,7 +172,7 @@ class LayoutMixin:
                 if active is not None and not any(active):
                     continue
                 ensure_state(cls, group, flat)
-                work.append(StepRequest(self, group, flat, None, grads, copied))
+                work.append(StepRequest(self.owner, group, flat, None, grads, copied))
         return work
 
     def _settings(self, gi: int, group: dict[str, Any], changed: bool = False) -> tuple[dict | None, dict]:
@@ -325,7 +322,7 @@ class LayoutMixin:
         counter = flat.counter
         if active is not None and not any(active):
             return active, None, False
-        fused = fuses(self, group, flat)
+        fused = fuses(self.owner, group, flat)
         self._hook(group, flat, fused)
         if active is None and len(counter.classes) == 1:
             counter.split(None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import dml_optim.core.functional as F
+from dml_optim.core.rule import Rule
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import REQUIRED, Hyperparameter, OptimizerSpec, TorchAlias, TorchEquivalent, _one_float, same_alias
 
@@ -25,6 +26,36 @@ def _nesterov(value) -> tuple[str]:
 def _dampening(value) -> tuple[float]:
     (dampening,) = _one_float(value)
     return (1.0 - dampening,)
+
+
+
+def _constants(hyper):
+    return {"alpha": hyper["alpha"], "norm_coefficient": hyper["norm_coefficient"], "nesterov": hyper["mode"] == "nesterov"}
+
+
+def _coefficients(hyper, T):
+    return F.momentum_coefficients(hyper["lr"], T, beta=hyper["beta"])
+
+
+def _apply(x, g, v, *, scratch, **scalars):
+    F.momentum_(x, g, v, scratch=scratch[0], **scalars)
+
+
+def _fused(hyper, count):
+    # torch.optim.SGD's kernel: buffer = momentum * buffer + (1 - dampening) * G_reg; ONNX's first step
+    # (beta_adj = 1) is dampening 0.  alpha = 0 keeps ONNX's buffer (beta * G_reg): torch keeps none
+    if hyper["alpha"] == 0:
+        return None
+    return "_fused_sgd_", dict(weight_decay=hyper["norm_coefficient"], momentum=hyper["alpha"], lr=hyper["lr"],
+                               dampening=1.0 - hyper["beta"] if count > 0 else 0.0,
+                               nesterov=hyper["mode"] == "nesterov", maximize=False, is_first_step=False)
+
+
+#: ONNX Momentum-1's update, as data (:class:`~dml_optim.core.rule.Rule`): T = completed steps.
+RULE = Rule(
+    name="Momentum", apply=_apply, coefficients=_coefficients, constants=_constants, states=("momentum_buffer",),
+    skip_identity={"lr": 0.0, "alpha": 1.0, "grad_scale": 0.0, "norm_coefficient": 0.0},
+    zero_skips=("norm_coefficient",), fused=_fused, fused_counts="first")
 
 
 class Momentum(FlatOptimizer):
@@ -71,10 +102,7 @@ class Momentum(FlatOptimizer):
         default_lr=None,
         train_lr=5e-2,
     )
-    state_names = ("momentum_buffer",)
-    step_offset = 0
-    skip_identity = {"lr": 0.0, "alpha": 1.0, "grad_scale": 0.0, "norm_coefficient": 0.0}
-    zero_skips = ("norm_coefficient",)
+    rule = RULE
 
     def __init__(self, params, lr: float, *, alpha: float = 0.9, beta: float = 1.0, mode: str = "standard",
                  norm_coefficient: float = 0.0, momentum: float | None = None, dampening: float | None = None,
@@ -83,27 +111,3 @@ class Momentum(FlatOptimizer):
         super().__init__(params, dict(lr=lr, alpha=alpha, beta=beta, mode=mode, norm_coefficient=norm_coefficient),
                          dict(momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay),
                          options)
-
-    @classmethod
-    def constants(cls, hyper):
-        return {"alpha": hyper["alpha"], "norm_coefficient": hyper["norm_coefficient"], "nesterov": hyper["mode"] == "nesterov"}
-
-    @classmethod
-    def coefficients(cls, hyper, T):
-        return F.momentum_coefficients(hyper["lr"], T, beta=hyper["beta"])
-
-    @staticmethod
-    def rule(x, g, v, *, scratch, **scalars):
-        F.momentum_(x, g, v, scratch=scratch[0], **scalars)
-
-    fused_counts = "first"
-
-    @classmethod
-    def fused_kernel(cls, hyper, count):
-        # torch.optim.SGD's kernel: buffer = momentum * buffer + (1 - dampening) * G_reg; ONNX's first step
-        # (beta_adj = 1) is dampening 0.  alpha = 0 keeps ONNX's buffer (beta * G_reg): torch keeps none
-        if hyper["alpha"] == 0:
-            return None
-        return "_fused_sgd_", dict(weight_decay=hyper["norm_coefficient"], momentum=hyper["alpha"], lr=hyper["lr"],
-                                   dampening=1.0 - hyper["beta"] if count > 0 else 0.0,
-                                   nesterov=hyper["mode"] == "nesterov", maximize=False, is_first_step=False)

@@ -24,6 +24,7 @@ from dml_optim.optimizers.adam import Adam
 from dml_optim.optimizers.adamw import AdamW
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.dml_adam import DmlAdam
+from dml_optim.optimizers.lion import Lion
 from dml_optim.optimizers.momentum import Momentum
 from dml_optim.optimizers.sgd import SGD
 from dml_optim.optimizers.spec import OptimizerSpec
@@ -32,7 +33,8 @@ __all__ = ["OPTIMIZERS", "NAMES", "get", "spec", "name_of", "build", "torch_equi
            "epsilon_name", "ours_for_torch"]
 
 #: Registry name → class, in the order the CLI and the docs list them.
-OPTIMIZERS: dict[str, type[FlatOptimizer]] = {cls.spec.name: cls for cls in (Adam, DmlAdam, AdamW, Adagrad, Momentum, SGD)}
+OPTIMIZERS: dict[str, type[FlatOptimizer]] = {cls.spec.name: cls for cls in (Adam, DmlAdam, AdamW, Adagrad, Momentum, SGD,
+                                                                            Lion)}
 #: The registry names (the CLI's ``--optimizer`` choices).
 NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 

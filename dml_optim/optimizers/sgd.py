@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import dml_optim.core.functional as F
+from dml_optim.core.rule import Rule
 from dml_optim.optimizers.base import FlatOptimizer
 from dml_optim.optimizers.spec import Hyperparameter, OptimizerSpec, TorchEquivalent
 
@@ -16,6 +17,42 @@ if TYPE_CHECKING:
     from dml_optim.core.options import OptimizerOptions
 
 __all__ = ["SGD"]
+
+
+
+def _states(hyper) -> tuple[str, ...]:
+    return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
+
+
+def _constants(hyper):
+    return {"alpha": hyper["momentum"], "norm_coefficient": hyper["weight_decay"], "nesterov": hyper["nesterov"],
+            "grad_sign": -1.0 if hyper["maximize"] else 1.0}
+
+
+def _coefficients(hyper, T):
+    # torch ignores dampening without momentum.  In a compiled kernel a zero momentum is structure (a number,
+    # ``zero_skips``) and a nonzero one a 0-d tensor: testing the tensor would break the graph in two
+    momentum = hyper["momentum"]
+    beta = 1.0 - hyper["dampening"] if isinstance(momentum, torch.Tensor) or momentum != 0 else 1.0
+    return F.momentum_coefficients(hyper["lr"], T, beta=beta)
+
+
+def _apply(x, g, v=None, *, scratch, **scalars):
+    F.momentum_(x, g, v, scratch=scratch[0], **scalars)
+
+
+def _fused(hyper, count):
+    # the first buffer step is the gradient (T == 0, as the rule decides it): dampening 0 into a zero buffer
+    return "_fused_sgd_", dict(weight_decay=hyper["weight_decay"], momentum=hyper["momentum"], lr=hyper["lr"],
+                               dampening=hyper["dampening"] if count > 0 else 0.0, nesterov=hyper["nesterov"],
+                               maximize=hyper["maximize"], is_first_step=False)
+
+
+#: torch.optim.SGD's update, as data (:class:`~dml_optim.core.rule.Rule`): the momentum buffer only with momentum.
+RULE = Rule(
+    name="SGD", apply=_apply, coefficients=_coefficients, constants=_constants, states=("momentum_buffer",),
+    states_for=_states, skip_identity={"lr": 0.0, "alpha": 1.0, "grad_scale": 0.0, "norm_coefficient": 0.0},
+    zero_skips=("momentum", "weight_decay"), fused=_fused, fused_counts="first")
 
 
 class SGD(FlatOptimizer):
@@ -67,10 +104,7 @@ class SGD(FlatOptimizer):
         constraints=((lambda h: not h["nesterov"] or (h["momentum"] > 0 and h["dampening"] == 0),
                       "Nesterov momentum requires a momentum and zero dampening (nesterov, momentum, dampening)"),),
     )
-    state_names = ("momentum_buffer",)
-    step_offset = 0
-    skip_identity = {"lr": 0.0, "alpha": 1.0, "grad_scale": 0.0, "norm_coefficient": 0.0}
-    zero_skips = ("momentum", "weight_decay")
+    rule = RULE
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
@@ -79,33 +113,3 @@ class SGD(FlatOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                       nesterov=nesterov, maximize=maximize),
                          {}, options, dict(foreach=foreach, fused=fused, differentiable=differentiable))
-
-    @classmethod
-    def group_state_names(cls, hyper) -> tuple[str, ...]:
-        return cls.state_names if hyper["momentum"] != 0 else ()
-
-    @classmethod
-    def constants(cls, hyper):
-        return {"alpha": hyper["momentum"], "norm_coefficient": hyper["weight_decay"], "nesterov": hyper["nesterov"],
-                "grad_sign": -1.0 if hyper["maximize"] else 1.0}
-
-    @classmethod
-    def coefficients(cls, hyper, T):
-        # torch ignores dampening without momentum.  In a compiled kernel a zero momentum is structure (a number,
-        # ``zero_skips``) and a nonzero one a 0-d tensor: testing the tensor would break the graph in two
-        momentum = hyper["momentum"]
-        beta = 1.0 - hyper["dampening"] if isinstance(momentum, torch.Tensor) or momentum != 0 else 1.0
-        return F.momentum_coefficients(hyper["lr"], T, beta=beta)
-
-    @staticmethod
-    def rule(x, g, v=None, *, scratch, **scalars):
-        F.momentum_(x, g, v, scratch=scratch[0], **scalars)
-
-    fused_counts = "first"
-
-    @classmethod
-    def fused_kernel(cls, hyper, count):
-        # the first buffer step is the gradient (T == 0, as the rule decides it): dampening 0 into a zero buffer
-        return "_fused_sgd_", dict(weight_decay=hyper["weight_decay"], momentum=hyper["momentum"], lr=hyper["lr"],
-                                   dampening=hyper["dampening"] if count > 0 else 0.0, nesterov=hyper["nesterov"],
-                                   maximize=hyper["maximize"], is_first_step=False)

@@ -169,7 +169,7 @@ class TorchEquivalent:
     set that we don't implement is refused by the state-dict loader.
     """
 
-    class_name: str
+    class_name: str | None  # None: no torch.optim twin (Lion): no side-by-side torch run, no torch kwargs
     aliases: tuple[TorchAlias, ...] = ()
     same: tuple[str, ...] = ()
     nearest: Mapping[str, str] = field(default_factory=dict)
@@ -180,15 +180,24 @@ class TorchEquivalent:
     fixed: Mapping[str, Any] = field(default_factory=dict)
 
     @property
+    def exists(self) -> bool:
+        """Whether torch.optim has this twin (an optimizer without one names ``class_name=None``)."""
+        return self.class_name is not None
+
+    @property
     def torch_class(self):
         import torch
 
+        if self.class_name is None:
+            raise ValueError("this optimizer has no torch.optim twin")
         return getattr(torch.optim, self.class_name)
 
     def implementation_flags(self) -> dict[str, Any]:
         """torch's implementation keys of the twin (``foreach``, ``fused``, ``differentiable``,
         ``decoupled_weight_decay``) as the *installed* torch's twin has them in its defaults, with
         its default values (``fixed`` overrides: AdamW's ``decoupled_weight_decay`` is True)."""
+        if self.class_name is None:
+            return {}
         flags = _twin_flags(self.class_name)
         return dict(flags, **{k: v for k, v in self.fixed.items() if k in flags})
 
@@ -308,6 +317,8 @@ class OptimizerSpec:
         configuration has no exact torch.optim equivalent; otherwise the
         nearest twin (for side-by-side speed or accuracy comparisons).
         """
+        if not self.torch.exists:
+            raise ValueError(f"{self.name} has no torch.optim twin")
         full = {**self.defaults(), **hyper}
         for name, ok, reason in self.torch.requires + (self.torch.exact_when if exact else ()):
             if not ok(full):

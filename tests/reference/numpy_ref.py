@@ -10,7 +10,8 @@ helpers, no in-place updates.
 
 Sources: ONNX operator docs for ``ai.onnx.preview.training`` ``Adagrad-1``,
 ``Momentum-1``, ``Adam-1``; Microsoft Learn ``DML_ADAM_OPTIMIZER_OPERATOR_DESC``;
-the algorithm box of the ``torch.optim.AdamW`` documentation (Loshchilov & Hutter).
+the algorithm box of the ``torch.optim.AdamW`` documentation (Loshchilov & Hutter); Algorithm 2 ("Lion
+Optimizer (ours)") of Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", arXiv:2302.06675.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["onnx_adagrad", "onnx_momentum", "onnx_adam", "dml_adam", "torch_adamw", "torch_sgd", "torch_adagrad"]
+__all__ = ["onnx_adagrad", "onnx_momentum", "onnx_adam", "dml_adam", "torch_adamw", "torch_sgd", "torch_adagrad",
+           "lion"]
 
 
 def _f64(a) -> np.ndarray:
@@ -293,3 +295,31 @@ def torch_adagrad(
     S = S + g * g
     # theta_t = theta_{t-1} - gamma~ * g_t / (sqrt(state_sum_t) + epsilon)
     return X - clr * g / (np.sqrt(S) + eps), S
+
+
+def lion(
+    X: np.ndarray,
+    G: np.ndarray,
+    M: np.ndarray,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    maximize: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lion (Chen et al. 2023, Algorithm 2) on one tensor: returns ``(X, M)``.
+
+    The paper's lines, with its ``interp`` written out; the update does not depend on the step count.
+    ``maximize`` (not in the paper) negates the gradient, as torch.optim's optimizers do.
+    """
+    X, G, M = _f64(X), _f64(G), _f64(M)
+    lr, beta1, beta2, weight_decay = np.float64(lr), np.float64(beta1), np.float64(beta2), np.float64(weight_decay)
+    g = -G if maximize else G
+    # c_t = beta1 * m_{t-1} + (1 - beta1) * g_t
+    c = beta1 * M + (1 - beta1) * g
+    # theta_t = theta_{t-1} - eta_t * (sign(c_t) + lambda * theta_{t-1})
+    X = X - lr * (np.sign(c) + weight_decay * X)
+    # m_t = beta2 * m_{t-1} + (1 - beta2) * g_t
+    M = beta2 * M + (1 - beta2) * g
+    return X, M
