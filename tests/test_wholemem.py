@@ -126,7 +126,7 @@ def test_the_scaled_loop_is_what_the_float16_rows_run():
     import torch
 
     cfg = wholemem.config("ours-fp16-sr-8bit-eager-backward")
-    opt, params, iterate, loop = wholemem._loop(cfg, wholemem.MODELS["tiny"], torch.device("cpu"), True)
+    opt, params, iterate, loop = wholemem.training_loop(cfg, wholemem.MODELS["tiny"], torch.device("cpu"), True)
     assert "scaler.scale(loss).backward()" in loop and "scaler.update()" in loop and "clip" not in loop.split(";")[0]
     before = [p.detach().clone() for p in params]
     losses = [float(iterate()) for _ in range(3)]

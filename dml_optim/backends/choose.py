@@ -49,7 +49,7 @@ from dml_optim.backends import eager as _eager
 from dml_optim.backends import fused as _fused
 from dml_optim.backends.base import Decision, EagerPlan, FusedPlan, Owner, Plan, StepRequest, runtime
 from dml_optim.backends.eager import ensure_scratch, several_counts
-from dml_optim.backends.fused import copies_in, copy_in, present, reads_in_place, remember_read
+from dml_optim.backends.fused import copies_in, copy_in, present_indices, reads_in_place, remember_read
 from dml_optim.backends.modes import counting_kernels, dispatch_mode_active, eager_only_now, is_compiling
 from dml_optim.core.grads import held_elsewhere
 from dml_optim.core.options import BACKENDS
@@ -59,7 +59,7 @@ from dml_optim.core.options import BACKENDS
 #: behind this one seam.  The plans and the request (base), the buffer's runtime, the gradients read in place or
 #: copied (fused's, which every backend's request uses), the eager scratch, the trace and dispatch-mode tests.
 SEAM = ("EagerPlan", "FusedPlan", "Owner", "StepRequest", "runtime", "ensure_scratch", "several_counts", "copies_in",
-        "copy_in", "present", "reads_in_place", "remember_read", "dispatch_mode_active", "is_compiling")
+        "copy_in", "present_indices", "reads_in_place", "remember_read", "dispatch_mode_active", "is_compiling")
 
 __all__ = [*SEAM, "AUTO_COMPILE_MIN_ELEMENTS", "AUTO_COMPILE_MIN_ELEMENTS_QUANTIZED", "AUTO_COMPILE_MIN_ELEMENTS_MASKED",
            "AUTO_COMPILE_AFTER_EAGER_S", "AUTO_TIER_MIN_ELEMENTS", "BACKEND_OF", "resolve", "decide", "fuses", "tiers",

@@ -70,7 +70,7 @@ from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, 
 from dml_optim.core.grads import _FAST_ATTRIBUTES
 from dml_optim.core.rule import Rule
 
-__all__ = ["present", "FusedFallbackWarning", "FusedBackend", "BACKEND", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS",
+__all__ = ["present_indices", "FusedFallbackWarning", "FusedBackend", "BACKEND", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS",
            "unsupported", "kernel_scalars", "reads_in_place", "copies_in", "copy_in", "remember_read", "kernel_calls", "warn_fallback"]
 
 
@@ -160,7 +160,7 @@ def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
     ``zero_grad(set_to_none=True)``) and the same read-only tensors handed over again are read in place."""
     if flat.staged:
         return False
-    index = present(grads, active)
+    index = present_indices(grads, active)
     if not index or sum(map(flat.sizes.__getitem__, index)) < LIST_MIN_ELEMENTS * len(index):
         return False
     present = grads if len(index) == len(grads) else list(map(grads.__getitem__, index))
@@ -173,7 +173,7 @@ def reads_in_place(flat, grads: list, active: list[bool] | None) -> bool:
         return all(map(_IS_CONTIGUOUS, present))
 
 
-def present(grads: list, active: list[bool] | None) -> list[int] | range:
+def present_indices(grads: list, active: list[bool] | None) -> list[int] | range:
     """The indices of the gradients present (and active): every one without a Python pass when none is None."""
     if active is None and all(map(_IS_NOT_NONE, grads)):
         return range(len(grads))
@@ -193,7 +193,7 @@ def copies_in(flat, grads: list, active: list[bool] | None) -> bool:
     if (flat.staged or flat.align != 1 or flat.grad is None or not hasattr(torch, "_foreach_copy_")
             or flat.device.type not in ("cpu", "cuda")):
         return False  # (the first gradients a buffer meets are gathered and adopted: they may be ones that stay)
-    index = present(grads, active)
+    index = present_indices(grads, active)
     if not index:
         return False
     present = grads if len(index) == len(grads) else list(map(grads.__getitem__, index))
@@ -215,7 +215,7 @@ def copy_in(flat, grads: list) -> None:
     flat.release_held()  # (a view of it kept elsewhere: copied into a new one)
     flat.ensure_grad()
     views = _cache(flat).grad_views(flat)
-    index = present(grads, None)
+    index = present_indices(grads, None)
     if len(index) == len(grads):
         torch._foreach_copy_(views, grads)
     else:

@@ -76,7 +76,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["add_ratios", "SCHEMA", "Config", "CONFIGS", "LEAN_FP16", "MODELS", "ModelSpec", "MMAP_THRESHOLD", "NOT_ON_DIRECTML",
+__all__ = ["add_ratios", "training_loop", "SCHEMA", "Config", "CONFIGS", "LEAN_FP16", "MODELS", "ModelSpec", "MMAP_THRESHOLD", "NOT_ON_DIRECTML",
            "RECOMMENDED", "availability", "measure", "measure_one", "run_child", "row_fields", "format_table",
            "default_output_path", "bench_tasks", "main"]
 
@@ -495,7 +495,7 @@ def _settle(opt, step: Callable[[], Any]) -> None:
     settle_steps(opt, step)
 
 
-def _loop(cfg: Config, spec: ModelSpec, device: torch.device, set_to_none: bool, seed: int = 0):
+def training_loop(cfg: Config, spec: ModelSpec, device: torch.device, set_to_none: bool, seed: int = 0):
     """``(opt, params, iterate, mode)``: ``iterate()`` runs one training iteration and returns the loss."""
     dtype = getattr(torch, cfg.dtype)
     model, loss_fn = build_model(spec, device, dtype, seed)
@@ -562,12 +562,12 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 
     after_imports = counter.now()
     if spec.get("tiny_warmup", True):  # the code paths, kernels and lazy imports of this configuration, loaded
-        opt, _, iterate, _ = _loop(cfg, MODELS["tiny"], device, set_to_none, seed=1)
+        opt, _, iterate, _ = training_loop(cfg, MODELS["tiny"], device, set_to_none, seed=1)
         for _ in range(3):
             iterate()
         del opt, iterate
     baseline = counter.now()
-    opt, params, iterate, loop = _loop(cfg, model_spec, device, set_to_none, seed=spec.get("seed", 0))
+    opt, params, iterate, loop = training_loop(cfg, model_spec, device, set_to_none, seed=spec.get("seed", 0))
     losses = []
     for _ in range(spec.get("warmup", 2)):
         losses.append(float(iterate()))

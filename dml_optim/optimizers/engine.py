@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from dml_optim.backends.choose import (EagerPlan, FusedPlan, Owner, StepRequest, copies_in, copy_in, dispatch_mode_active,
-                                      ensure_scratch, fuses, plan_step, present, reads_in_place, remember_read,
+                                      ensure_scratch, fuses, plan_step, present_indices, reads_in_place, remember_read,
                                       resolved_backends, run_plan, runtime, tiering_pending)
 from dml_optim.core.dtypes import precision
 from dml_optim.core.flat import FlatBuffer, describe_param
@@ -302,7 +302,7 @@ class EngineMixin:
         records them, so the following steps repeat with the binding check."""
         with _FAST_ATTRIBUTES():
             grads = list(map(_GRAD, flat.params))
-        index = present(grads, None)
+        index = present_indices(grads, None)
         if not index or flat.holds_grad(index[0], grads[index[0]]):
             return None
         if flat.rebound() if mode == "full" else flat.moved("refs") or mode == "fast" and flat.moved("fast"):

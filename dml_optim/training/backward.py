@@ -9,6 +9,10 @@ nothing), and autograd's gradients of the whole model never exist at once
 (the technique of torch's tutorial "How to save memory by fusing the optimizer
 step into the backward pass", torchtune's optimizer-in-backward, LOMO).
 
+Long by design: one handle whose hooks, runs, loss scaling and clipping share the state of one backward (the
+runs' pending gradients, the found-inf sum, the norms and this backward's factors); split, that state would be
+read across modules.
+
 **Runs.** The trainable parameters of each flat buffer, in the buffer's order,
 are cut greedily into runs of about ``run_bytes`` bytes of gradient: a run
 closes once it holds half of ``run_bytes`` and the next parameter would take it
