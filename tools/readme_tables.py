@@ -586,8 +586,9 @@ def _carried_note(carried: list[tuple[str, str]], machine: dict) -> str:
         where = ("on this machine" if same else
                  f"on a {om.get('cpu_count')}-core {om.get('cpu_model', 'CPU')} VM, {other['created'][:10]}")
         parts.append(f"{', '.join(labels)} (`{src}`, {where})")
-    return ("Rows from another run of the same tool, whose packages this run did not have and whose code paths did "
-            "not change: " + "; ".join(parts) + ".")
+    return ("Rows from another run of the same tool (a package this run did not have, whose code paths did not "
+            "change, or an optimizer added since, measured beside torch.optim.AdamW FP32 in that run): "
+            + "; ".join(parts) + ".")
 
 
 def _gb(n: float) -> str:
