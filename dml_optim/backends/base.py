@@ -7,8 +7,9 @@ gradient buffer).  A backend (:class:`Backend`) answers three questions:
 
 * ``supports(rule, group, flat) -> None | reason``: whether it can run the buffer under these settings at
   all (static: decided once per settings token, :mod:`~dml_optim.backends.choose`);
-* ``plan(request, last) -> Plan | None``: what this step will do, computed without writing anything
-  (host scalars, range checks, kernel calls); ``last`` is the buffer's previous plan when the step
+* ``plan(request, route, last) -> Plan | None``: what this step will do, computed without writing anything
+  (host scalars, range checks, kernel calls), routed as :class:`Route` says (the one signature of every
+  backend: choose's routing of this step, each backend reading what concerns it); ``last`` is the buffer's previous plan when the step
   repeats (nothing structural changed since: the same bindings, classes and settings token), for the
   backend to reuse what it can; None: this step cannot run here (a count beyond the kernel's range),
   the rule's backend takes it;
@@ -40,7 +41,7 @@ from dml_optim.core.rule import Rule
 from dml_optim.core.steps import StepClass
 from dml_optim.core.update import KernelKey
 
-__all__ = ["Backend", "Owner", "StepRequest", "ClassUpdate", "MaskedUpdate", "KernelCall", "SteadyCall", "Plan", "EagerPlan",
+__all__ = ["Route", "Backend", "Owner", "StepRequest", "ClassUpdate", "MaskedUpdate", "KernelCall", "SteadyCall", "Plan", "EagerPlan",
            "CompiledPlan", "FusedPlan", "Decision", "BufferRuntime", "runtime", "grad_range"]
 
 
@@ -171,6 +172,16 @@ class FusedPlan(Plan):
     calls: tuple = ()
 
 
+class Route(NamedTuple):
+    """How :mod:`~dml_optim.backends.choose` routes one step of one buffer: what every backend's ``plan`` receives
+    beside the request (one signature for all: ``plan(request, route, last)``; a backend reads what concerns it)."""
+
+    compiled: bool = False  # the buffer's rule compiles: an eager plan keeps no scratch for it
+    key: Any = None  # the compiled kernel to run (the compiled backend's KernelKey); None: the eager rule
+    masked: bool = False  # a masked update (parameters at several counts) runs the compiled masked kernel
+    timed: bool = False  # the step's wall time counts toward backend="auto"'s tiering (eager)
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What each backend module provides (:mod:`~dml_optim.backends.eager`, ``compiled``, ``fused``)."""
@@ -180,8 +191,9 @@ class Backend(Protocol):
     def supports(self, rule: Rule, group: dict, flat) -> str | None:
         """None when this backend can run ``flat`` under ``group``'s settings, else why not."""
 
-    def plan(self, request: StepRequest, last: Plan | None = None) -> Plan | None:
-        """This step's plan (nothing written), or None when this step cannot run here."""
+    def plan(self, request: StepRequest, route: Route, last: Plan | None = None) -> Plan | None:
+        """This step's plan (nothing written), routed as ``route`` says, or None when this step cannot run here.
+        ``last``: the buffer's previous plan, when the step repeats it."""
 
     def run(self, plan: Plan) -> None:
         """Run ``plan``: kernels only."""

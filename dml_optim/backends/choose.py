@@ -47,7 +47,7 @@ from typing import Any
 from dml_optim.backends import compiled as _compiled
 from dml_optim.backends import eager as _eager
 from dml_optim.backends import fused as _fused
-from dml_optim.backends.base import Decision, EagerPlan, FusedPlan, Owner, Plan, StepRequest, runtime
+from dml_optim.backends.base import Decision, EagerPlan, FusedPlan, Owner, Plan, Route, StepRequest, runtime
 from dml_optim.backends.eager import ensure_scratch, several_counts
 from dml_optim.backends.fused import copies_in, copy_in, present_indices, reads_in_place, remember_read
 from dml_optim.backends.modes import counting_kernels, dispatch_mode_active, eager_only_now, is_compiling
@@ -187,7 +187,7 @@ def _decide(owner: Owner, group, flat, rt) -> Decision:
         if resolve(backend, flat.device, flat.numel, quantized, rt.eager_s) == "compiled":
             rule = "compiled"
         device_type = flat.device.type
-        masked = (_compiled.compile_available(device_type)[0] and not (
+        masked = (_compiled.BACKEND.supports(owner.rule, group, flat) is None and not (
             backend in ("auto", "fused") and flat.numel < AUTO_COMPILE_MIN_ELEMENTS_MASKED.get(device_type, 1 << 62)))
     plain = "fused" if why_not_fused is None else rule
     return Decision(plain, rule, masked, why_not_fused)
@@ -234,7 +234,7 @@ def _rule_plan(request: StepRequest, decision: Decision, last: Plan | None) -> E
     backend = group["backend"]
     key = None
     if request.grad_scale is not None:  # (gradients unscaled inside the rule: the eager rule's, DirectML's path)
-        return _eager.BACKEND.plan(request, last, compiled=decision.rule == "compiled", masked_kernel=False)
+        return _eager.BACKEND.plan(request, Route(compiled=decision.rule == "compiled"), last)
     if decision.rule == "compiled" and not eager_only_now():
         key = kernel_key(owner, group, flat)
         reason = _compiled.BACKEND.broken(key)
@@ -245,11 +245,11 @@ def _rule_plan(request: StepRequest, decision: Decision, last: Plan | None) -> E
         _compiled.fall_back(owner, flat.device, _compiled.compile_available(flat.device.type)[1])
     masked = decision.masked and not eager_only_now() and owner.compile_fallback is None
     if key is not None:
-        return _compiled.BACKEND.plan(request, last, key=key, masked=masked)
+        return _compiled.BACKEND.plan(request, Route(compiled=True, key=key, masked=masked), last)
     if masked and _eager.masks(group, flat, True) and request.finite is None:
-        return _compiled.BACKEND.plan(request, last, key=None, masked=True)
+        return _compiled.BACKEND.plan(request, Route(masked=True), last)
     timed = backend in ("auto", "fused") and tiers(flat.device.type, flat.numel, flat.bits is not None)
-    return _eager.BACKEND.plan(request, last, compiled=decision.rule == "compiled", masked_kernel=False, timed=timed)
+    return _eager.BACKEND.plan(request, Route(compiled=decision.rule == "compiled", timed=timed), last)
 
 
 def plan_step(request: StepRequest, last: Plan | None = None) -> Plan:
@@ -260,7 +260,7 @@ def plan_step(request: StepRequest, last: Plan | None = None) -> Plan:
     owner, group, flat = request.owner, request.group, request.flat
     decision = decide(owner, group, flat)
     if request.finite is None and _fuses(owner, group, decision):
-        plan = _fused.BACKEND.plan(request, last)
+        plan = _fused.BACKEND.plan(request, Route(), last)
         if plan is not None:
             flat.scratch = []
             return plan

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from dml_optim.backends import eager as _eager
-from dml_optim.backends.base import CompiledPlan, MaskedUpdate, Owner, StepRequest, grad_range, runtime
+from dml_optim.backends.base import CompiledPlan, MaskedUpdate, Owner, Route, StepRequest, grad_range, runtime
 from dml_optim.backends.direct import _Capture, _Direct, _direct_eligible, _make_direct
 from dml_optim.backends.inductor import (_dynamo_counters, _denormals_flushed, _emulates_casts, _frames_compiled,
                                          _has_option, _options, compile_available, start_thread_pool)
@@ -250,9 +250,11 @@ class CompiledBackend:
         """Why the kernel of ``key`` cannot run (it failed to compile, or dynamo gave up on it), or None."""
         return _BROKEN.get(key) if key is not None else None
 
-    def plan(self, request: StepRequest, last=None, key: KernelKey | None = None, masked: bool = False) -> CompiledPlan:
-        """The eager plan of ``request`` (:func:`dml_optim.backends.eager.plan_updates`) with the kernel key."""
-        eager = _eager.BACKEND.plan(request, last, compiled=key is not None, masked_kernel=masked)
+    def plan(self, request: StepRequest, route: Route, last=None) -> CompiledPlan:
+        """The eager plan of ``request`` (:func:`dml_optim.backends.eager.plan_updates`) with the kernel key
+        (``route.key``; None: a masked update's kernel alone, ``route.masked``)."""
+        key, masked = route.key, route.masked
+        eager = _eager.BACKEND.plan(request, Route(compiled=key is not None, masked=masked), last)
         return CompiledPlan(request, updates=eager.updates, masked=eager.masked, chunk=eager.chunk,
                             scratch=eager.scratch, timed=False, converts=eager.converts, key=key,
                             masked_kernel=masked)

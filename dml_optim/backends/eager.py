@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, SteadyCall, StepRequest, grad_range, runtime
+from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, Route, SteadyCall, StepRequest, grad_range, runtime
 from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, converts
 from dml_optim.core.options import CHUNK_ELEMENTS
 from dml_optim.core.packing import storage_less_device
@@ -279,13 +279,13 @@ class EagerBackend:
     def supports(self, rule: Rule, group, flat) -> str | None:
         return None
 
-    def plan(self, request: StepRequest, last=None, *, compiled: bool = False, masked_kernel: bool = False,
-             timed: bool = False) -> EagerPlan:
-        """This step's updates (nothing written but the scratch allocated the first time).  ``compiled``:
+    def plan(self, request: StepRequest, route: Route = Route(), last=None) -> EagerPlan:
+        """This step's updates (nothing written but the scratch allocated the first time).  ``route.compiled``:
         the buffer's rule compiles (no scratch: its kernel needs none; an eager call on it, under a dispatch
-        mode, allocates); ``masked_kernel``: a masked update would compile; ``timed``: the step's wall time
+        mode, allocates); ``route.masked``: a masked update would compile; ``route.timed``: the step's wall time
         counts toward ``auto``'s tiering.  ``last``: a repeat's previous plan, whose scratch, chunking and
         conversions it keeps (only the host scalars are new; they are kept per settings token and count)."""
+        compiled, masked_kernel, timed = route.compiled, route.masked, route.timed
         group, flat = request.group, request.flat
         finite = request.finite
         if (last is not None and isinstance(last, EagerPlan) and last.masked is None and finite is None
@@ -376,7 +376,7 @@ def apply_masked(request: StepRequest, masked: MaskedUpdate, scratch) -> None:
 
 def apply_class(request: StepRequest, update: ClassUpdate, plan: EagerPlan) -> None:
     """The eager rule over one class, with counts on the host (``update.scalars``) or on the device."""
-    owner, group, flat, finite = request[:4]
+    owner, group, flat, finite = request.owner, request.group, request.flat, request.finite
     rule = owner.rule
     c, scalars = update
     if scalars is None:  # counts on the device: the scalars are computed there
@@ -398,7 +398,7 @@ def apply_range(request: StepRequest, start: int, end: int, scalars, scratch, co
     """The rule over elements ``[start, end)`` of the buffer, chunked when operands are converted (``convert``:
     :func:`~dml_optim.core.dtypes.converts`, when the caller knows it).  ``count``: the range's step count (an
     int, or its tensor on the device), which keys stochastic rounding's numbers with each element's index."""
-    owner, group, flat, finite = request[:4]
+    owner, group, flat, finite = request.owner, request.group, request.flat, request.finite
     rule = owner.rule
     names = rule.group_state_names(group)
     x = flat.master if flat.master is not None else flat.data

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dml_optim.backends.base import FusedPlan, KernelCall, Owner, StepRequest, runtime
+from dml_optim.backends.base import FusedPlan, KernelCall, Owner, Route, StepRequest, runtime
 from dml_optim.core.bindings import _DATA_PTR, _IS_CONTIGUOUS
 from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, dtype_limit, state_dtype
 from dml_optim.core.grads import _FAST_ATTRIBUTES
@@ -423,11 +423,11 @@ class FusedBackend:
     def supports(self, rule: Rule, group, flat) -> str | None:
         return unsupported(rule, group, flat)
 
-    def plan(self, request: StepRequest, last=None) -> FusedPlan | None:
+    def plan(self, request: StepRequest, route: Route = Route(), last=None) -> FusedPlan | None:
         """The kernel calls of this step (:func:`kernel_calls`), after the same step-limit and range checks as
         the other backends (the rule's scalars, and torch's kernel's), or None when a count rules the kernel
         out (the rule's backend runs the step)."""
-        owner, group, flat, _, grads = request[:5]
+        owner, group, flat, grads = request.owner, request.group, request.flat, request.grads
         rule = owner.rule
         if request.copied:  # (copied into the flat buffer: the kernel reads it there)
             grads = None
