@@ -41,7 +41,7 @@ from dml_optim.core.rule import Rule
 from dml_optim.core.steps import StepClass
 from dml_optim.core.update import KernelKey
 
-__all__ = ["Route", "Backend", "Owner", "StepRequest", "ClassUpdate", "MaskedUpdate", "KernelCall", "SteadyCall", "Plan", "EagerPlan",
+__all__ = ["Route", "EagerCache", "eager_cache", "CompiledCache", "HyperSlot", "Backend", "Owner", "StepRequest", "ClassUpdate", "MaskedUpdate", "KernelCall", "SteadyCall", "Plan", "EagerPlan",
            "CompiledPlan", "FusedPlan", "Decision", "BufferRuntime", "runtime", "grad_range"]
 
 
@@ -218,7 +218,9 @@ class Decision(NamedTuple):
 class BufferRuntime:
     """A buffer's backend state (``flat.runtime``; a copy of the buffer starts without one): the decision and
     its token, how many decisions were made, the settings the buffer last stepped under, the tiering clock,
-    each backend's cache, and whether the last step repeated its plan."""
+    each backend's cache (a typed object the backend owns: :class:`~dml_optim.backends.eager.EagerCache`,
+    :class:`~dml_optim.backends.compiled.CompiledCache`, the fused backend's ``FusedCache``), and whether the last
+    step repeated its plan."""
 
     settings: Any = None  # the group's validated settings at the last bind (a token: compared by identity)
     structure: Any = None  # the structural part of them (a token: equal while only scalars such as lr change)
@@ -227,13 +229,63 @@ class BufferRuntime:
     key: tuple | None = None  # (what it was made for, the compiled kernel key)
     decisions: int = 0  # how many decisions were made for this buffer
     eager_s: float = 0.0  # wall time of its eager steps on the CPU under backend="auto" (the tiering clock)
-    fused: Any = None  # the fused backend's cache (dml_optim.backends.fused)
-    scalars: tuple | None = None  # (settings token, {count: host scalars}, dtype, bits, compute dtype, constants)
-    hyper: dict | None = None  # the compiled backend's 0-d hyperparameter tensors: {name: [value, tensor]}
+    fused: Any = None  # the fused backend's cache (dml_optim.backends.fused.FusedCache)
+    eager: Any = None  # the eager backend's cache (dml_optim.backends.eager.EagerCache), the compiled backend's plans too
+    compiled: Any = None  # the compiled backend's cache (dml_optim.backends.compiled.CompiledCache)
     repeated: bool = False  # the last step repeated its plan (no layout work, no new decision)
     read: dict | None = field(default=None)  # the gradients the last step read in place: {id: version}
-    pads: tuple | None = None  # the eager backend's (offsets, {(a, b): padding positions}) of a quantized buffer
     window: torch.Tensor | None = None  # the gradients of the range stepping inside backward (grown to the largest)
+
+
+# -- each backend's cache of a buffer (held by its BufferRuntime; the backend alone reads and writes it) --------
+
+
+class EagerCache:
+    """The eager backend's cache of one buffer (``BufferRuntime.eager``; the compiled backend plans through it too):
+    the padding positions per range of the layout they were made for, and the host scalars per count under the
+    settings token, dtype and bits they were made for, with the compute dtype they are checked against and the
+    rule's constants."""
+
+    __slots__ = ("layout", "pads", "settings", "dtype", "bits", "scalars", "compute", "constants")
+
+    def __init__(self) -> None:
+        self.layout: Any = None  # the offsets the padding positions are of
+        self.pads: dict[tuple[int, int], torch.Tensor | None] = {}  # (a, b) -> padding positions, relative to a
+        self.settings: Any = None  # the settings token the scalars are for (None: made for no token, not kept)
+        self.dtype: torch.dtype | None = None
+        self.bits: int | None = None
+        self.scalars: dict[int, dict] = {}  # count -> host scalars, range-checked
+        self.compute: torch.dtype | None = None
+        self.constants: dict | None = None
+
+
+def eager_cache(flat) -> EagerCache:
+    """The :class:`EagerCache` of ``flat`` (made the first time)."""
+    rt = runtime(flat)
+    cache = rt.eager
+    if cache is None:
+        cache = rt.eager = EagerCache()
+    return cache
+
+
+class HyperSlot:
+    """One hyperparameter of a compiled kernel: its value and the 0-d tensor the kernel reads (filled when the value
+    changes: a scheduler's new ``lr`` costs one fill)."""
+
+    __slots__ = ("value", "tensor")
+
+    def __init__(self, value: float, tensor: torch.Tensor) -> None:
+        self.value, self.tensor = value, tensor
+
+
+class CompiledCache:
+    """The compiled backend's cache of one buffer (``BufferRuntime.compiled``): its kernels' hyperparameter
+    tensors by name."""
+
+    __slots__ = ("hyper",)
+
+    def __init__(self) -> None:
+        self.hyper: dict[str, HyperSlot] = {}
 
 
 def runtime(flat) -> BufferRuntime:

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from dml_optim.backends import eager as _eager
-from dml_optim.backends.base import CompiledPlan, MaskedUpdate, Owner, Route, StepRequest, grad_range, runtime
+from dml_optim.backends.base import CompiledCache, CompiledPlan, HyperSlot, MaskedUpdate, Owner, Route, StepRequest, grad_range, runtime
 from dml_optim.backends.direct import _Capture, _Direct, _direct_eligible, _make_direct
 from dml_optim.backends.inductor import (_dynamo_counters, _denormals_flushed, _emulates_casts, _frames_compiled,
                                          _has_option, _options, compile_available, start_thread_pool)
@@ -275,19 +275,20 @@ class CompiledBackend:
     @staticmethod
     def _hyper(flat, names, group, dtype) -> list[torch.Tensor]:
         rt = runtime(flat)
-        slots = rt.hyper
-        if slots is None:
-            slots = rt.hyper = {}
+        cache = rt.compiled
+        if cache is None:
+            cache = rt.compiled = CompiledCache()
+        slots = cache.hyper
         out = []
         for name in names:
             value = float(group[name])
             slot = slots.get(name)
-            if slot is None or slot[1].dtype != dtype or slot[1].device != flat.device:
-                slot = slots[name] = [value, torch.full((), value, dtype=dtype, device=flat.device)]
-            elif slot[0] != value:
-                slot[1].fill_(value)
-                slot[0] = value
-            out.append(slot[1])
+            if slot is None or slot.tensor.dtype != dtype or slot.tensor.device != flat.device:
+                slot = slots[name] = HyperSlot(value, torch.full((), value, dtype=dtype, device=flat.device))
+            elif slot.value != value:
+                slot.tensor.fill_(value)
+                slot.value = value
+            out.append(slot.tensor)
         return out
 
     def call(self, owner: Owner, group, flat, c, finite, key: KernelKey | None = None, window=None) -> bool:

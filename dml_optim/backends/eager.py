@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from dml_optim.backends.base import ClassUpdate, EagerPlan, MaskedUpdate, Route, SteadyCall, StepRequest, grad_range, runtime
+from dml_optim.backends.base import ClassUpdate, EagerPlan, eager_cache, MaskedUpdate, Route, SteadyCall, StepRequest, grad_range, runtime
 from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, converts
 from dml_optim.core.options import CHUNK_ELEMENTS
 from dml_optim.core.packing import storage_less_device
@@ -193,11 +193,10 @@ def padding_positions(flat, a: int, b: int) -> torch.Tensor | None:
     None where the range has none)."""
     if flat.valid is None:
         return None
-    rt = runtime(flat)
-    cached = rt.pads
-    if cached is None or cached[0] is not flat.offsets:  # (none yet, or a new layout)
-        cached = rt.pads = (flat.offsets, {})
-    known = cached[1]
+    cache = eager_cache(flat)
+    if cache.layout is not flat.offsets:  # (none yet, or a new layout)
+        cache.layout, cache.pads = flat.offsets, {}
+    known = cache.pads
     if (a, b) not in known:
         where = [j - a for i, n in enumerate(flat.sizes)
                  for j in range(max(a, flat.offsets[i] + n), min(b, flat.offsets[i + 1]))]
@@ -211,19 +210,20 @@ def _host_scalars(request: StepRequest, count: int) -> dict:
     steady step finds its count's, or computes only the coefficients of its new count; a scheduler's new
     ``lr`` is a new token: computed again)."""
     rule, group, flat = request.owner.rule, request.group, request.flat
-    rt = runtime(flat)
-    cache = rt.scalars
-    if (cache is None or cache[0] is not rt.settings or rt.settings is None or cache[2] is not flat.dtype
-            or cache[3] != flat.bits):
-        cache = rt.scalars = (rt.settings, {}, flat.dtype, flat.bits, compute_dtype(group, flat.dtype, flat.bits),
-                              rule.constants(group))
-    known = cache[1]
+    settings = runtime(flat).settings
+    cache = eager_cache(flat)
+    if (settings is None or cache.settings is not settings or cache.dtype is not flat.dtype
+            or cache.bits != flat.bits):
+        cache.settings, cache.dtype, cache.bits, cache.scalars = settings, flat.dtype, flat.bits, {}
+        cache.compute = compute_dtype(group, flat.dtype, flat.bits)
+        cache.constants = rule.constants(group)
+    known = cache.scalars
     scalars = known.get(count)
     if scalars is None:
         if len(known) >= 64:
             known.clear()
-        scalars = step_scalars(rule, group, count, None, constants=cache[5])
-        check_range(group, flat, scalars, cache[4])
+        scalars = step_scalars(rule, group, count, None, constants=cache.constants)
+        check_range(group, flat, scalars, cache.compute)
         known[count] = scalars
     return scalars
 

@@ -70,7 +70,7 @@ from dml_optim.core.dtypes import check_range, check_step_limit, compute_dtype, 
 from dml_optim.core.grads import _FAST_ATTRIBUTES
 from dml_optim.core.rule import Rule
 
-__all__ = ["present_indices", "FusedFallbackWarning", "FusedBackend", "BACKEND", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS",
+__all__ = ["present_indices", "FusedCache", "FusedFallbackWarning", "FusedBackend", "BACKEND", "KERNELS", "MAX_COUNT", "LIST_MIN_ELEMENTS",
            "unsupported", "kernel_scalars", "reads_in_place", "copies_in", "copy_in", "remember_read", "kernel_calls", "warn_fallback"]
 
 
@@ -234,7 +234,7 @@ def remember_read(flat, grads: list | None) -> None:
     rt.read = dict(zip(map(id, present), map(_VERSION, present)))
 
 
-class _Cache:
+class FusedCache:
     """Per buffer: the step numbers torch's kernels read (float32 0-d tensors, made 256 counts at a time and
     only read), the kernels' keywords per count, per-parameter views of the states and the argument lists of a
     whole-buffer call, kept while the layout and the state tensors stay the same; the range-checked blocks of
@@ -329,11 +329,11 @@ def _alike(rule: Rule, count: int) -> int:
     return count if vary == "each" else 0 if vary == "none" else min(count, 1)
 
 
-def _cache(flat) -> _Cache:
+def _cache(flat) -> FusedCache:
     rt = runtime(flat)
     cache = rt.fused
     if cache is None or cache.offsets is not flat.offsets:
-        cache = rt.fused = _Cache(flat)
+        cache = rt.fused = FusedCache(flat)
     return cache
 
 
@@ -346,7 +346,7 @@ def kernel_calls(rule: Rule, group: dict[str, Any], flat, grads: list | None, me
     parameters with a gradient (``grads`` given: :meth:`dml_optim.core.steps.StepCounter.active_params`) or the
     runs ``(first, stop)`` of them at one count (:meth:`~dml_optim.core.steps.StepCounter.active_runs`).
     Nothing is written here: the result is a :class:`~dml_optim.backends.base.KernelCall` per call; the
-    step numbers are tensors made once per 256 counts (:meth:`_Cache.steps`), so running it writes
+    step numbers are tensors made once per 256 counts (:meth:`FusedCache.steps`), so running it writes
     nothing but the kernels' outputs.
     """
     cache = _cache(flat)
@@ -377,8 +377,8 @@ def kernel_calls(rule: Rule, group: dict[str, Any], flat, grads: list | None, me
     return _calls(flat, grads, names, cache, list(calls.values()))
 
 
-def _calls(flat, grads: list | None, names: tuple[str, ...], cache: _Cache, calls: list) -> list:
-    """:func:`plan`'s calls from ``(:meth:`_Cache.kernel`'s entry, members, their step tensors)`` per call."""
+def _calls(flat, grads: list | None, names: tuple[str, ...], cache: FusedCache, calls: list) -> list:
+    """:func:`plan`'s calls from ``(:meth:`FusedCache.kernel`'s entry, members, their step tensors)`` per call."""
     out = []
     states = [cache.state_views(flat, n) for n in names] if grads is not None else [flat.states[n] for n in names]
     for (op, kwargs, _), chosen, step_list in calls:
@@ -471,7 +471,7 @@ class FusedBackend:
         return True
 
 
-def _count_fits(rule, group, flat, n: int, cache: _Cache) -> bool:
+def _count_fits(rule, group, flat, n: int, cache: FusedCache) -> bool:
     """Count ``n`` alone: the step limit and the rule's scalars (raises), torch's kernel's scalars (False)."""
     check_step_limit(rule, n)
     check_range(group, flat, rule.coefficients(group, n + rule.step_offset))
@@ -491,7 +491,7 @@ def _counts_in_range(rule, group, flat, first: int, n: int) -> bool:
         counts = torch.arange(first, first + n, dtype=torch.float64, device="cpu")  # (not a default device set)
         worst = [v.abs().max().item() if isinstance(v, torch.Tensor) else abs(v)
                  for v in rule.coefficients(group, counts + rule.step_offset).values()]
-        # the kernel's keywords through the buffer's cache (_Cache.kernel): the Adams' differ per count, and the
+        # the kernel's keywords through the buffer's cache (FusedCache.kernel): the Adams' differ per count, and the
         # steps that follow find the ones of their counts computed here
         kernel = _cache(flat).kernel
         settings = runtime(flat).settings
