@@ -40,7 +40,9 @@ class Rule:
             :mod:`dml_optim.core.functional` (every op native on DirectML); ``scratch`` is a list of
             :attr:`scratch_slots` tensors the size of the range (or None: allocate, or fuse).
         coefficients: ``coefficients(hyper, T) -> {name: scalar}``: the per-step scalars after ``T`` steps (``T`` a
-            number, or a 0-d tensor on the device when the count lives there: gated and capturable steps).
+            number, or a 0-d tensor on the device when the count lives there: gated and capturable steps; in a
+            masked update, parameters at several counts at once, a tensor of one count per element, so
+            :attr:`apply` must take its scalars as numbers or as tensors that broadcast over the range).
         constants: ``constants(hyper) -> {name: scalar}``: the scalars that do not change with the step.
         states: the per-parameter state tensors, by torch.optim's names (``exp_avg``, ...).
         states_for: ``states_for(hyper)``: the states under these hyperparameters when they depend on them
