@@ -252,7 +252,7 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
         trainable = [i for i, p in enumerate(params) if p.requires_grad]
         frozen = [i for i, p in enumerate(params) if not p.requires_grad]
         self._layout.append(GroupLayout(self._pack(group, trainable), frozen, synced, watched=watch(group, given)))
-        self._steady = None
+        self.forget_steady()
 
     def _check_param(self, p, index: int, group_index: int) -> None:
         where = f"params: param_groups[{group_index}]['params'][{index}]"
@@ -347,12 +347,12 @@ class FlatOptimizer(LayoutMixin, EngineMixin, ContractMixin, Optimizer):
             scale = getattr(self, "grad_scale", None)
             self.step_scaled(torch.reciprocal(scale.float()) if scale is not None else None, found_inf=found_inf)
             return loss
-        self._steady = None
+        self.forget_steady()
         requests = self.step_requests(in_place=True)
         self._raise_if_nonfinite([r.flat for r in requests if r.group["nonfinite"] == "raise"])
         finite = self._all_finite([r.flat for r in requests if r.group["nonfinite"] == "skip"])
         planned = self._run(requests, lambda group, flat: finite.to(flat.device) if group["nonfinite"] == "skip" else None)
-        self._steady = self._repeatable(planned)
+        self.keep_steady(planned)
         return loss
 
     @torch.no_grad()

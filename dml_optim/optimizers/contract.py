@@ -179,7 +179,7 @@ class ContractMixin:
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._steady = None
+        self.forget_steady()
         load(self, state_dict)
         for hook in self._hooks("_optimizer_load_state_dict_post_hooks"):
             hook(self)
@@ -204,7 +204,7 @@ class ContractMixin:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # torch.optim: empty hooks, the step wrapper
-        self._steady = None  # (the next step plans from scratch)
+        self.forget_steady()  # (the next step plans from scratch)
         self.__dict__.setdefault("repeat", True)  # (pickled before the option existed)
         if "_layout" in state:
             self._rebind_copy()

@@ -216,6 +216,16 @@ class EngineMixin:
         return tuple(Steady(plan.request.flat, plan.request.grads is not None,
                             None if type(plan) is FusedPlan else plan, plan.backend) for plan in planned)
 
+    def forget_steady(self) -> None:
+        """The next step plans from scratch (settings, bindings, classes): after anything that may change what the
+        last step planned for (a param group added, a re-pack, a state dict loaded, a copy, a range stepped alone).
+        The repeat's record is the engine's: written here and in :meth:`keep_steady` only."""
+        self._steady = None
+
+    def keep_steady(self, planned: list) -> None:
+        """After a full step: what the next step may repeat (:meth:`_repeatable`), or nothing."""
+        self._steady = self._repeatable(planned)
+
     def steady_plans(self) -> tuple[Steady, ...]:
         """What the next step may repeat, one :class:`Steady` per buffer (empty when it plans from scratch)."""
         return self._steady or ()
@@ -388,6 +398,6 @@ class EngineMixin:
             request = request._replace(grad_scale=inv_scale.to(flat.device))
         ensure_state(type(self), group, flat)
         flat.counter.split([i in grads for i in range(len(flat.params))])
-        self._steady = None
+        self.forget_steady()
         self._run([request], lambda group, flat: finite)
         return finite

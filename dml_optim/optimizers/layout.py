@@ -370,7 +370,7 @@ class LayoutMixin:
         """
         group = self.param_groups[gi]
         layout = self._layout[gi]
-        self._steady = None
+        self.forget_steady()
         carried: dict[int, tuple[dict[str, Any], int]] = {}
         for flat in layout.buffers:
             counts = flat.counter.counts()
