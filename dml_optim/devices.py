@@ -66,15 +66,12 @@ def directml() -> tuple[bool, str, torch.device | None]:
 def device() -> torch.device:
     """The best usable device: DirectML (the stand-in under ``DML_OPTIM_STANDIN=1``), else CUDA, else CPU.
     Never raises."""
+    from dml_optim.dml.device import fallback_device
+
     ok, _, found = directml()
     if ok and found is not None:
         return found
-    try:
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-    except Exception:
-        pass
-    return torch.device("cpu")
+    return fallback_device()
 
 
 def backend_status() -> list[tuple[str, bool, str]]:

@@ -228,13 +228,18 @@ def tiering_pending(owner: Owner, buffers_by_group) -> bool:
                for group, flats in buffers_by_group for flat in flats)
 
 
+#: The routes of the eager rule and of torch's fused kernel, made once (a step plans every buffer through one):
+#: (the rule compiles, the step is timed for tiering) -> Route.
+_ROUTES = {(compiled, timed): Route(compiled=compiled, timed=timed) for compiled in (False, True) for timed in (False, True)}
+
+
 def _rule_plan(request: StepRequest, decision: Decision, last: Plan | None) -> EagerPlan:
     """The plan of the rule's backend (compiled or eager) for ``request``."""
     owner, group, flat = request.owner, request.group, request.flat
     backend = group["backend"]
     key = None
     if request.grad_scale is not None:  # (gradients unscaled inside the rule: the eager rule's, DirectML's path)
-        return _eager.BACKEND.plan(request, Route(compiled=decision.rule == "compiled"), last)
+        return _eager.BACKEND.plan(request, _ROUTES[decision.rule == "compiled", False], last)
     if decision.rule == "compiled" and not eager_only_now():
         key = kernel_key(owner, group, flat)
         reason = _compiled.BACKEND.broken(key)
@@ -249,7 +254,7 @@ def _rule_plan(request: StepRequest, decision: Decision, last: Plan | None) -> E
     if masked and _eager.masks(group, flat, True) and request.finite is None:
         return _compiled.BACKEND.plan(request, Route(masked=True), last)
     timed = backend in ("auto", "fused") and tiers(flat.device.type, flat.numel, flat.bits is not None)
-    return _eager.BACKEND.plan(request, Route(compiled=decision.rule == "compiled", timed=timed), last)
+    return _eager.BACKEND.plan(request, _ROUTES[decision.rule == "compiled", timed], last)
 
 
 def plan_step(request: StepRequest, last: Plan | None = None) -> Plan:
@@ -260,7 +265,7 @@ def plan_step(request: StepRequest, last: Plan | None = None) -> Plan:
     owner, group, flat = request.owner, request.group, request.flat
     decision = decide(owner, group, flat)
     if request.finite is None and _fuses(owner, group, decision):
-        plan = _fused.BACKEND.plan(request, Route(), last)
+        plan = _fused.BACKEND.plan(request, _ROUTES[False, False], last)
         if plan is not None:
             flat.scratch = []
             return plan

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "device", "backend_status", "install_hint", "probe_subprocess", "PROBE_IN_SUBPROCESS", "PROBE_TIMEOUT_S"]
+__all__ = ["available", "device", "fallback_device", "backend_status", "install_hint", "probe_subprocess", "PROBE_IN_SUBPROCESS", "PROBE_TIMEOUT_S"]
 
 #: Probe torch-directml in a child interpreter before importing it here.
 PROBE_IN_SUBPROCESS = True
@@ -178,6 +178,11 @@ def device() -> torch.device:
             return torch.device(sys.modules["torch_directml"].device())
         except Exception:
             pass
+    return fallback_device()
+
+
+def fallback_device() -> torch.device:
+    """The device when DirectML is not usable: CUDA, else CPU.  Never raises."""
     try:
         if torch.cuda.is_available():
             return torch.device("cuda")
